@@ -1,0 +1,105 @@
+"""Turn what the user passed (a path, inline JSON, a Mapping) into a plain, private dict.
+
+JSON is parsed with Python's json module, which reads ``Infinity`` as transformers / Accelerate
+write it (``"steps_per_print": Infinity``). Duplicate keys are problems (DeepSpeed rejects them
+too), because the second one silently wins otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .errors import MISSING, ProblemList
+
+__all__ = ["load_config"]
+
+
+class _Object(dict[str, Any]):
+    """A parsed JSON object that remembers keys it saw twice."""
+
+    duplicates: list[str]
+
+
+def _object_pairs(pairs: list[tuple[str, Any]]) -> _Object:
+    obj = _Object()
+    obj.duplicates = []
+    for key, value in pairs:
+        if key in obj:
+            obj.duplicates.append(key)
+        obj[key] = value
+    return obj
+
+
+def _to_plain(value: Any, path: str, problems: ProblemList) -> Any:
+    """Deep-copy into plain dicts and lists, so the caller's objects are never touched."""
+    if isinstance(value, Mapping):
+        for key in getattr(value, "duplicates", []):
+            problems.add(_join(path, key), MISSING, "is given twice (the last one would silently win)", "keep one")
+        plain: dict[str, Any] = {}
+        for key, inner in value.items():
+            if not isinstance(key, str):
+                problems.add(_join(path, str(key)), inner, "keys must be strings", f"write the key as {str(key)!r}")
+                continue
+            plain[key] = _to_plain(inner, _join(path, key), problems)
+        return plain
+    if isinstance(value, (list, tuple)):
+        return [_to_plain(v, f"{path}[{i}]", problems) for i, v in enumerate(value)]
+    return value
+
+
+def _join(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key
+
+
+def _parse(text: str, source: str, problems: ProblemList) -> Any:
+    try:
+        return json.loads(text, object_pairs_hook=_object_pairs)
+    except json.JSONDecodeError as err:
+        problems.add(
+            source,
+            MISSING,
+            f"is not valid JSON: {err.msg} at line {err.lineno} column {err.colno}",
+            "fix the JSON there (DeepSpeed reads hjson; hf_zero reads strict JSON: no comments or trailing commas)",
+        )
+        return None
+
+
+def _read(path: Path, problems: ProblemList) -> Any:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        fix = "check the path (relative paths start at the working directory)"
+        problems.add(str(path), MISSING, "config file not found", fix)
+        return None
+    except OSError as err:
+        rule = f"config file cannot be read: {err.strerror}"
+        problems.add(str(path), MISSING, rule, "check the path and its permissions")
+        return None
+    return _parse(text, str(path), problems)
+
+
+def load_config(config: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[dict[str, Any], str, ProblemList]:
+    """Return (plain dict, source name for messages, problems)."""
+    problems = ProblemList()
+    if isinstance(config, Mapping):
+        source, parsed = "<dict>", config
+    elif isinstance(config, str) and config.lstrip().startswith("{"):
+        # TrainingArguments accepts an inline JSON dict on the command line; so do we.
+        source, parsed = "<inline JSON>", _parse(config, "<inline JSON>", problems)
+    elif isinstance(config, (str, os.PathLike)):
+        source = str(config)
+        parsed = _read(Path(config), problems)
+    else:
+        raise TypeError(
+            f"HfZeroConfig expects a path to a JSON file, a dict or an HfZeroConfig; got {type(config).__name__}"
+        )
+    if parsed is None:
+        return {}, source, problems
+    if not isinstance(parsed, Mapping):
+        problems.add(source, type(parsed).__name__, "the config must be a JSON object", "wrap the settings in {...}")
+        return {}, source, problems
+    return _to_plain(parsed, "", problems), source, problems

@@ -1,0 +1,218 @@
+"""ZeroEngine: the model wrapped for ZeRO training, in the shape of DeepSpeed's engine."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from hf_zero.comm import Communicator
+from hf_zero.engine.hooks import UnitProtocol
+from hf_zero.engine.memory import memory_report
+from hf_zero.engine.optimizer import ZeroOptimizer
+from hf_zero.engine.unit import ZeroUnit
+
+logger = logging.getLogger("hf_zero")
+
+
+class ZeroEngine(nn.Module):
+    """The engine ``hf_zero.initialize`` returns.
+
+    ``engine(*args, **kwargs)`` runs the model; ``engine.backward(loss)`` then ``engine.step()``
+    every micro-step, as with DeepSpeed: gradients are reduced and the optimizer steps only at
+    the gradient-accumulation boundary, and ``step`` is a no-op in between.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        config: Any,
+        comm: Communicator,
+        device: torch.device,
+        units: list[ZeroUnit],
+        unit_rule: str,
+        optimizer: ZeroOptimizer | None,
+        lr_scheduler: Any,
+    ) -> None:
+        super().__init__()
+        self.module = module
+        self.config = config
+        self.comm = comm
+        self.device = device
+        self.units = units
+        self.unit_rule = unit_rule
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.stage = config.stage
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.global_samples = 0
+        self._boundary_override: bool | None = None
+        self._step_applied = False
+        self._last_step_time_s: float | None = None
+        self.protocol = UnitProtocol(
+            units,
+            stage=self.stage,
+            reduce_dtype=config.reduce_dtype,
+            prefetch_numel=int(config.zero.stage3_prefetch_bucket_size) if self.stage == 3 else 0,
+            is_boundary=self.is_gradient_accumulation_boundary,
+        )
+        self.protocol.install()
+
+    # ------------------------------------------------------------------ identity
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def zero_optimization_stage(self) -> int:
+        return self.stage
+
+    @property
+    def loss_scale(self) -> float:
+        scaler = self.optimizer.loss_scaler if self.optimizer is not None else None
+        return float(scaler.loss_scale) if scaler is not None else 1.0
+
+    @property
+    def skipped_steps(self) -> int:
+        scaler = self.optimizer.loss_scaler if self.optimizer is not None else None
+        return int(getattr(scaler, "skipped_steps", 0)) if scaler is not None else 0
+
+    def get_lr(self) -> list[float]:
+        if self.optimizer is None:
+            return []
+        return [float(group["lr"]) for group in self.optimizer.param_groups]
+
+    # ------------------------------------------------------------------ training
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """Let an outer loop (Accelerate, the Trainer) decide where the boundary is."""
+        self._boundary_override = is_boundary
+
+    def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True, retain_graph: bool = False) -> torch.Tensor:
+        """Backward of ``loss``: divided by the accumulation steps (unless ``scale_wrt_gas`` is
+        False, as the Trainer does itself), multiplied by the fp16 loss scale."""
+        if not loss.requires_grad:
+            raise RuntimeError(
+                "engine.backward got a loss that does not require grad: was the forward run "
+                "under torch.no_grad() or with every parameter frozen?"
+            )
+        scaled = loss
+        if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
+            scaled = scaled / self.gradient_accumulation_steps()
+        if self.loss_scale != 1.0:
+            scaled = scaled * self.loss_scale
+        scaled.backward(retain_graph=retain_graph)
+        return loss
+
+    def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+        """At the accumulation boundary: unscale, clip, optimizer step, scheduler step, zero
+        grads. In between: only count the micro-step."""
+        self._step_applied = False
+        if self.is_gradient_accumulation_boundary():
+            if self.optimizer is None:
+                raise RuntimeError(
+                    "engine.step() needs an optimizer: put an \"optimizer\" section in the config "
+                    "or pass optimizer= to hf_zero.initialize"
+                )
+            start = time.perf_counter()
+            self.optimizer.step()
+            self._step_applied = not self.optimizer.overflow
+            if self._step_applied and self.lr_scheduler is not None:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size()
+            self._last_step_time_s = time.perf_counter() - start
+        self.micro_steps += 1
+
+    def was_step_applied(self) -> bool:
+        return self._step_applied
+
+    def get_global_grad_norm(self) -> float | None:
+        """The global gradient norm (before clipping) of the last optimizer step."""
+        return None if self.optimizer is None else self.optimizer.global_grad_norm
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.optimizer is not None:
+            self.optimizer.zero_grad()
+        for unit in self.units:
+            for group in unit.groups:
+                if self.stage != 0:
+                    group.release_grads()
+
+    # ------------------------------------------------------------------ full parameters
+    def _units_of(self, params: Iterable[torch.Tensor] | None) -> list[ZeroUnit]:
+        if params is None:
+            return list(self.units)
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        wanted = {id(p) for p in params}
+        return [u for u in self.units if any(id(p) in wanted for g in u.groups for p in g.params)]
+
+    @contextlib.contextmanager
+    def gathered_parameters(
+        self, params: Iterable[torch.Tensor] | torch.Tensor | None = None, modifier_rank: int | None = None
+    ) -> Iterator[None]:
+        """Full parameters inside the block (stage 3 gathers them; other stages already have
+        them). With ``modifier_rank``, that rank's changes are broadcast at exit and written into
+        every rank's shard and fp32 master; without it, changes are discarded under stage 3."""
+        units = self._units_of(params)
+        for unit in units:
+            unit.unshard()
+            unit.wait_unshard()
+        try:
+            yield
+        finally:
+            if modifier_rank is not None:
+                with torch.no_grad():
+                    for unit in units:
+                        for group in unit.groups:
+                            self.comm.broadcast_(group.full, src=modifier_rank, label=f"{group.label}.modify")
+                            group.refresh_from_full()
+            if self.stage == 3:
+                for unit in units:
+                    unit.reshard()
+
+    # ------------------------------------------------------------------ reporting
+    def memory_report(self) -> dict[str, int]:
+        """Bytes this rank holds now, by category (see hf_zero.engine.memory)."""
+        return memory_report(self.units, self.optimizer, self.module)
+
+    def comm_stats(self) -> dict[str, dict[str, int]]:
+        """Calls, elements and bytes per collective kind since the last reset."""
+        return self.comm.stats.as_dict()
+
+    def reset_comm_stats(self) -> None:
+        self.comm.reset_stats()
+
+    def layout(self) -> list[dict[str, Any]]:
+        """The flat layout of every group of every unit: what checkpoints record."""
+        return [
+            {"unit": u.name, "group": g.label, "trainable": g.kind.trainable,
+             "persistent": g.kind.persistent, "param_group": g.kind.param_group_index,
+             **g.layout.to_dict()}
+            for u in self.units for g in u.groups
+        ]

@@ -1,0 +1,229 @@
+"""One flat, sharded buffer of parameters: the storage every stage is a policy over.
+
+[Note: views into flat buffers]
+Each module parameter's ``.data`` is a view into its group's full flat buffer, and each ``.grad``
+is a view into a flat gradient buffer of the same layout, so autograd accumulates gradients
+exactly where the reduce-scatter reads them and the optimizer's all-gather writes parameters
+exactly where the module reads them: no copies. Freeing a full buffer resizes its *storage* to
+zero and allocating resizes it back; the tensor objects, and so every view, every autograd saved
+tensor and every ``.grad`` binding, stay valid. Module code never sees the sharding.
+
+[Note: master aliasing]
+Master weights are fp32. When the compute dtype is fp32 too, the master shard *is* the compute
+shard (a view for stages 0-2, the shard tensor for stage 3): the optimizer updates the parameters
+in place and no second fp32 copy exists. With 16-bit compute the master is a separate fp32 shard
+and the optimizer writes the 16-bit compute copy in the same pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hf_zero.comm import Communicator, Handle
+from hf_zero.partition import FlatLayout, build_flat_layout
+
+
+def storage_bytes(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().nbytes()
+
+
+def free_storage(tensor: torch.Tensor) -> None:
+    if storage_bytes(tensor) > 0:
+        tensor.untyped_storage().resize_(0)
+
+
+def allocate_storage(tensor: torch.Tensor) -> bool:
+    """Give a freed full-size tensor its storage back. Returns True if it was freed before."""
+    needed = tensor.numel() * tensor.element_size()
+    if storage_bytes(tensor) == needed:
+        return False
+    tensor.untyped_storage().resize_(needed)
+    return True
+
+
+@dataclass(frozen=True)
+class GroupKind:
+    """What decides how a group of parameters is handled."""
+
+    trainable: bool
+    persistent: bool  # stage 3 only: stays gathered between steps
+    param_group_index: int  # the optimizer param group it steps in
+
+
+class FlatParamGroup:
+    """The parameters of one unit that share a :class:`GroupKind`, in one padded flat buffer
+    split into ``world_size`` equal shards (rank r owns shard r).
+
+    Stage 0 keeps everything full and all-reduces gradients; stages 1-2 keep parameters full and
+    own one shard of the optimizer state (and, for stage 2, of the gradients); stage 3 also keeps
+    only its parameter shard outside :meth:`unshard` / :meth:`reshard`.
+    """
+
+    def __init__(
+        self,
+        label: str,
+        named_params: list[tuple[str, nn.Parameter]],
+        kind: GroupKind,
+        comm: Communicator,
+        stage: int,
+        compute_dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.label = label
+        self.kind = kind
+        self.comm = comm
+        self.stage = stage
+        self.params = [p for _, p in named_params]
+        shard_world = 1 if stage == 0 else comm.world_size
+        self.layout: FlatLayout = build_flat_layout(named_params, shard_world)
+        self.shards_params = stage == 3 and not kind.persistent
+        self.full = self._flatten(compute_dtype, device)
+        self._bind_param_views()
+        lo, hi = self.shard_range
+        # See [Note: views into flat buffers].
+        self.shard = self.full[lo:hi].clone() if self.shards_params else self.full[lo:hi]
+        if self.shards_params:
+            free_storage(self.full)
+        self._pending_gather: Handle | None = None
+        self.master: torch.Tensor | None = None
+        self.grad_full: torch.Tensor | None = None
+        self.grad_shard: torch.Tensor | None = None
+        if kind.trainable:
+            self._init_master_and_grads(compute_dtype, device)
+
+    # ----------------------------------------------------------------- construction
+    @property
+    def shard_range(self) -> tuple[int, int]:
+        rank = 0 if self.stage == 0 else self.comm.rank
+        return self.layout.shard_range(rank)
+
+    def _flatten(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        full = torch.zeros(self.layout.padded_numel, dtype=dtype, device=device)
+        with torch.no_grad():
+            for slot, param in zip(self.layout.slots, self.params):
+                full[slot.offset : slot.offset + slot.numel].copy_(param.detach().reshape(-1))
+        # Every rank must start from the same weights, whatever its seed was.
+        self.comm.broadcast_(full, src=0, label=f"{self.label}.init")
+        return full
+
+    def _bind_param_views(self) -> None:
+        for slot, param in zip(self.layout.slots, self.params):
+            param.data = self.full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+
+    def _init_master_and_grads(self, compute_dtype: torch.dtype, device: torch.device) -> None:
+        # See [Note: master aliasing].
+        self.master = self.shard if compute_dtype == torch.float32 else self.shard.float()
+        self.grad_full = torch.zeros(self.layout.padded_numel, dtype=compute_dtype, device=device)
+        if self.stage == 0 and compute_dtype == torch.float32:
+            self.grad_shard = self.grad_full  # all-reduced in place, already fp32
+        else:
+            self.grad_shard = torch.zeros_like(self.master, dtype=torch.float32)
+        if self.stage != 0:
+            self.release_grads()
+        self.master.grad = self.grad_shard
+
+    # ----------------------------------------------------------------- parameters
+    @property
+    def is_unsharded(self) -> bool:
+        return storage_bytes(self.full) > 0 and self._pending_gather is None
+
+    def unshard(self, async_op: bool = False) -> None:
+        """Gather the full parameters (stage 3). Idempotent; ``wait_unshard`` finishes an
+        asynchronous gather."""
+        if not self.shards_params or self._pending_gather is not None:
+            return
+        if not allocate_storage(self.full):
+            return
+        self._pending_gather = self.comm.all_gather_into(
+            self.full, self.shard, label=self.label, async_op=async_op
+        )
+        if not async_op:
+            self._pending_gather = None
+
+    def wait_unshard(self) -> None:
+        if self._pending_gather is not None:
+            self._pending_gather.wait()
+            self._pending_gather = None
+
+    def reshard(self) -> None:
+        if self.shards_params:
+            self.wait_unshard()
+            free_storage(self.full)
+
+    def gather_updated_shards(self) -> None:
+        """After the optimizer step, bring every rank's updated shard into the full buffer
+        (stages 1-2, and persistent stage-3 groups); sharded stage-3 groups gather lazily."""
+        if self.stage == 0 or self.shards_params:
+            return
+        lo, hi = self.shard_range
+        self.comm.all_gather_into(self.full, self.full[lo:hi], label=f"{self.label}.step")
+
+    def refresh_from_full(self) -> None:
+        """The full buffer was changed from outside (``gathered_parameters`` with a modifier):
+        make the shard and the master agree with it."""
+        lo, hi = self.shard_range
+        if self.shards_params:
+            self.shard.copy_(self.full[lo:hi])
+        if self.master is not None and self.master.data_ptr() != self.shard.data_ptr():
+            self.master.copy_(self.shard)
+
+    # ----------------------------------------------------------------- gradients
+    def prepare_grads(self) -> None:
+        """Before this group's backward: make sure the flat gradient buffer exists (fresh ones
+        are zeroed; an accumulating one is kept) and that each ``.grad`` is a view into it."""
+        if self.grad_full is None:
+            return
+        if allocate_storage(self.grad_full):
+            self.grad_full.zero_()
+        for slot, param in zip(self.layout.slots, self.params):
+            view = self.grad_full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            grad = param.grad
+            if grad is None or grad.data_ptr() != view.data_ptr():
+                if grad is not None:  # produced outside our buffer (see collect_stray_grads)
+                    view.add_(grad.to(view.dtype))
+                param.grad = view
+
+    def has_grads(self) -> bool:
+        return self.grad_full is not None and storage_bytes(self.grad_full) > 0
+
+    def reduce_grads(self, reduce_dtype: torch.dtype) -> None:
+        """Average the full gradients over ranks and add this rank's part into the fp32
+        gradient shard. Stages 1-3 then free the full gradient buffer."""
+        if self.grad_full is None or self.grad_shard is None:
+            return
+        self.prepare_grads()  # allocates zeros if this group got no gradient this backward
+        world = self.comm.world_size
+        send = self.grad_full if self.grad_full.dtype == reduce_dtype else self.grad_full.to(reduce_dtype)
+        if world > 1:
+            send.div_(world)  # gloo has no AVG: pre-divide, then sum
+        if self.stage == 0:
+            self.comm.all_reduce_(send, label=self.label)
+            if self.grad_shard.data_ptr() != send.data_ptr():
+                self.grad_shard.add_(send)
+            return
+        received = torch.empty(self.layout.shard_numel, dtype=reduce_dtype, device=send.device)
+        self.comm.reduce_scatter_into(received, send, label=self.label)
+        self.grad_shard.add_(received)
+        self.release_grads()
+
+    def release_grads(self) -> None:
+        if self.grad_full is None:
+            return
+        for param in self.params:
+            param.grad = None
+        free_storage(self.grad_full)
+
+    def zero_grad_shard(self) -> None:
+        if self.grad_shard is not None:
+            self.grad_shard.zero_()
+        if self.stage == 0 and self.grad_full is not None:
+            self.grad_full.zero_()
+
+    # ----------------------------------------------------------------- reporting
+    def owned_numel(self) -> int:
+        """Real (unpadded) parameter elements inside this rank's shard."""
+        lo, hi = self.shard_range
+        return max(0, min(hi, self.layout.numel) - lo)

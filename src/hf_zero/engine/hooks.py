@@ -1,0 +1,189 @@
+"""The forward/backward protocol: when each unit is gathered, freed and reduced.
+
+[Note: the unit protocol]
+- pre_forward (module forward pre-hook): stage 3 gathers the unit, then prefetches the next units
+  of the recorded forward order, up to ``stage3_prefetch_bucket_size`` elements.
+- post_forward (module forward hook): stage 3 frees the unit, unless autograd is running (then
+  this forward is an activation-checkpointing recompute inside the unit's backward, which is
+  about to need the parameters). Hooks go on the unit's output tensors so that the first gradient
+  reaching them announces the unit's backward.
+- pre_backward (first output-gradient hook of the unit in this backward): stage 3 gathers the
+  unit again and prefetches the unit that runs backward next; every stage binds ``.grad`` views.
+- post_backward (when the last trainable parameter's gradient has been accumulated): stages 2-3
+  reduce-scatter the unit's gradients into the fp32 shard and free the full gradients; stage 3
+  frees the parameters.
+- finish_backward (queued on the autograd engine at the first pre_backward, so it runs once
+  the whole backward is done): reduces what the hooks did not (unused parameters, frozen units,
+  stages 0-1 at the accumulation boundary) in the fixed unit order so every rank issues the same
+  collectives, frees what is still gathered, and records the forward order for prefetching.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from hf_zero.engine.unit import ZeroUnit
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Tensors inside a module output (tensors, tuples, lists, dicts, HF ModelOutputs)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from _tensors(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _tensors(value)
+
+
+class UnitProtocol:
+    """Installs and runs [Note: the unit protocol] over a model's units (root unit last)."""
+
+    def __init__(
+        self,
+        units: list[ZeroUnit],
+        stage: int,
+        reduce_dtype: torch.dtype,
+        prefetch_numel: int,
+        is_boundary: Callable[[], bool],
+    ) -> None:
+        self.units = units
+        self.stage = stage
+        self.reduce_dtype = reduce_dtype
+        self.prefetch_numel = prefetch_numel
+        self.is_boundary = is_boundary
+        self.handles: list[RemovableHandle] = []
+        self.finish_queued = False
+        self.forward_order: list[ZeroUnit] = []  # recorded on the previous forward
+        self.position: dict[int, int] = {}
+        self.current_order: list[ZeroUnit] = []
+        for unit in units:
+            unit.reset_backward_state()
+
+    # ------------------------------------------------------------------ install
+    def install(self) -> None:
+        for unit in self.units:
+            self.handles.append(unit.module.register_forward_pre_hook(self._hook_pre_forward(unit)))
+            self.handles.append(unit.module.register_forward_hook(self._hook_post_forward(unit)))
+            if self.stage >= 2:
+                for param in unit.trainable_params:
+                    self.handles.append(
+                        param.register_post_accumulate_grad_hook(self._hook_post_accumulate(unit))
+                    )
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+    def _hook_pre_forward(self, unit: ZeroUnit) -> Callable:
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            self.pre_forward(unit)
+
+        return hook
+
+    def _hook_post_forward(self, unit: ZeroUnit) -> Callable:
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            self.post_forward(unit, output)
+
+        return hook
+
+    def _hook_post_accumulate(self, unit: ZeroUnit) -> Callable:
+        def hook(param: torch.Tensor) -> None:
+            unit.pending_grads -= 1
+            if unit.pending_grads == 0:
+                self.post_backward(unit)
+
+        return hook
+
+    # ------------------------------------------------------------------ forward
+    def pre_forward(self, unit: ZeroUnit) -> None:
+        if self.stage != 3:
+            return
+        unit.unshard()
+        unit.wait_unshard()
+        if _in_backward():
+            return
+        if unit.sharded_numel:
+            self.current_order.append(unit)
+        self._prefetch(unit, step=1)
+
+    def post_forward(self, unit: ZeroUnit, output: Any) -> None:
+        if self.stage == 3 and not _in_backward():
+            unit.reshard()
+        if not torch.is_grad_enabled():
+            return
+        for tensor in _tensors(output):
+            if tensor.requires_grad:
+                tensor.register_hook(self._hook_pre_backward(unit))
+
+    # ------------------------------------------------------------------ backward
+    def _hook_pre_backward(self, unit: ZeroUnit) -> Callable:
+        def hook(grad: torch.Tensor) -> None:
+            self.pre_backward(unit)
+
+        return hook
+
+    def pre_backward(self, unit: ZeroUnit) -> None:
+        if unit.backward_started:
+            return
+        unit.backward_started = True
+        if not self.finish_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+            self.finish_queued = True
+        if self.stage == 3:
+            unit.unshard()
+            unit.wait_unshard()
+            self._prefetch(unit, step=-1)
+        unit.prepare_grads()
+
+    def post_backward(self, unit: ZeroUnit) -> None:
+        unit.reduce_grads(self.reduce_dtype)
+        if self.stage == 3:
+            unit.reshard()
+
+    def finish_backward(self) -> None:
+        self.finish_queued = False
+        reduce_now = self.stage >= 2 or self.is_boundary()
+        for unit in self.units:
+            if reduce_now and unit.trainable_params and not unit.grads_reduced:
+                unit.reduce_grads(self.reduce_dtype)
+            if self.stage == 3:
+                unit.reshard()
+            unit.reset_backward_state()
+        self._record_order()
+
+    # ------------------------------------------------------------------ prefetch
+    def _record_order(self) -> None:
+        if self.current_order and self.current_order != self.forward_order:
+            self.forward_order = list(self.current_order)
+            self.position = {u.index: i for i, u in enumerate(self.forward_order)}
+        self.current_order = []
+
+    def _prefetch(self, unit: ZeroUnit, step: int) -> None:
+        """Start gathering the units expected next (forward: step=1; backward: step=-1).
+
+        The next unit is always prefetched when prefetching is on (a unit is gathered whole, and
+        DeepSpeed's per-parameter bucket defaults, 0.9 x hidden^2, are smaller than one decoder
+        layer); further units only while the bucket holds them."""
+        if self.prefetch_numel <= 0 or unit.index not in self.position:
+            return
+        budget = self.prefetch_numel
+        i = self.position[unit.index] + step
+        first = True
+        while 0 <= i < len(self.forward_order):
+            upcoming = self.forward_order[i]
+            budget -= upcoming.sharded_numel
+            if budget < 0 and not first:
+                break
+            first = False
+            upcoming.unshard(async_op=True)
+            i += step

@@ -1,0 +1,205 @@
+"""``hf_zero.initialize``: the Trainer-less entry point, in the shape of ``deepspeed.initialize``."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from hf_zero.comm import Communicator, default_device, ensure_process_group
+from hf_zero.config import HfZeroConfig
+from hf_zero.engine.engine import ZeroEngine
+from hf_zero.engine.loss_scaler import build_loss_scaler
+from hf_zero.engine.optimizer import ZeroAdam, ZeroOptimizer
+from hf_zero.engine.schedulers import build_scheduler
+from hf_zero.engine.unit import ZeroUnit
+from hf_zero.partition import plan_units
+
+logger = logging.getLogger("hf_zero")
+
+OptimizerArg = torch.optim.Optimizer | Callable[[list[dict[str, Any]]], torch.optim.Optimizer] | None
+
+
+def hidden_size_of(model: nn.Module) -> int | None:
+    """The hidden size transformers uses for DeepSpeed's "auto" bucket sizes, or None."""
+    config = getattr(model, "config", None)
+    for cfg in (config, getattr(config, "text_config", None)):
+        if cfg is None:
+            continue
+        if getattr(cfg, "hidden_size", None):
+            return int(cfg.hidden_size)
+        if getattr(cfg, "hidden_sizes", None):
+            return int(max(cfg.hidden_sizes))
+    return None
+
+
+def _param_group_index(
+    model: nn.Module, optimizer: OptimizerArg, model_parameters: Iterable[Any] | None
+) -> tuple[dict[int, int], list[dict[str, Any]]]:
+    """Which optimizer param group each parameter steps in, and each group's hyperparameters.
+
+    Groups come from a passed torch optimizer, else from ``model_parameters`` given as group
+    dicts, else there is one group."""
+    groups: list[dict[str, Any]]
+    if isinstance(optimizer, torch.optim.Optimizer):
+        groups = optimizer.param_groups
+    elif model_parameters is not None:
+        given = list(model_parameters)
+        groups = given if given and isinstance(given[0], dict) else [{"params": given}]
+    else:
+        return {}, [{}]
+    index: dict[int, int] = {}
+    for i, group in enumerate(groups):
+        for param in group["params"]:
+            index.setdefault(id(param), i)
+    known = {id(p) for p in model.parameters()}
+    stray = [k for k in index if k not in known]
+    if stray:
+        raise ValueError(
+            f"{len(stray)} optimizer parameter(s) are not parameters of the model; build the "
+            "optimizer from model.parameters() (or model.named_parameters()) of this model"
+        )
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+    return index, hyper
+
+
+def _rebuild_torch_optimizer(
+    optimizer: torch.optim.Optimizer, shard_groups: list[dict[str, Any]]
+) -> torch.optim.Optimizer:
+    """The same optimizer class and hyperparameters, over this rank's fp32 shards. Its state
+    starts empty: the shards are new tensors."""
+    rebuilt = type(optimizer).__new__(type(optimizer))
+    rebuilt.__dict__.update(
+        {k: v for k, v in optimizer.__dict__.items() if k not in ("param_groups", "state", "defaults")}
+    )
+    torch.optim.Optimizer.__init__(rebuilt, shard_groups, optimizer.defaults)
+    return rebuilt
+
+
+def _build_inner_optimizer(
+    config: HfZeroConfig, optimizer: OptimizerArg, shard_groups: list[dict[str, Any]]
+) -> torch.optim.Optimizer | None:
+    if optimizer is not None and config.optimizer is not None:
+        raise ValueError(
+            "an optimizer was passed to hf_zero.initialize and the config has an \"optimizer\" "
+            "section too; remove one of them"
+        )
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return _rebuild_torch_optimizer(optimizer, shard_groups)
+    if callable(optimizer):
+        return optimizer(shard_groups)
+    if config.optimizer is None:
+        return None
+    opt = config.optimizer
+    return ZeroAdam(
+        shard_groups, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
+        weight_decay=opt.weight_decay, decoupled_weight_decay=opt.decoupled_weight_decay,
+    )
+
+
+def _build_scheduler(config: HfZeroConfig, optimizer: ZeroOptimizer | None, lr_scheduler: Any) -> Any:
+    if lr_scheduler is not None and config.scheduler is not None:
+        raise ValueError(
+            "an lr_scheduler was passed to hf_zero.initialize and the config has a \"scheduler\" "
+            "section too; remove one of them"
+        )
+    if optimizer is None:
+        return None
+    if config.scheduler is not None:
+        return build_scheduler(config.scheduler.type, optimizer, dict(config.scheduler.params))
+    if lr_scheduler is None:
+        return None
+    if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+        return lr_scheduler(optimizer)
+    # A scheduler built on the user's optimizer: point it at the sharded one, whose param groups
+    # carry the same hyperparameters (initial_lr included).
+    lr_scheduler.optimizer = optimizer
+    return lr_scheduler
+
+
+def _build_dataloader(
+    training_data: Dataset | None, config: HfZeroConfig, comm: Communicator, collate_fn: Callable | None
+) -> DataLoader | None:
+    if training_data is None:
+        return None
+    sampler = None
+    if comm.world_size > 1:
+        sampler = DistributedSampler(training_data, num_replicas=comm.world_size, rank=comm.rank)
+    return DataLoader(
+        training_data, batch_size=config.train_micro_batch_size_per_gpu, sampler=sampler,
+        shuffle=sampler is None, collate_fn=collate_fn,
+    )
+
+
+def initialize(
+    model: nn.Module | None = None,
+    config: HfZeroConfig | dict | str | None = None,
+    optimizer: OptimizerArg = None,
+    model_parameters: Iterable[Any] | None = None,
+    training_data: Dataset | None = None,
+    lr_scheduler: Any = None,
+    collate_fn: Callable | None = None,
+    config_params: dict | None = None,
+) -> tuple[ZeroEngine, ZeroOptimizer | None, DataLoader | None, Any]:
+    """Wrap ``model`` for ZeRO training; returns ``(engine, optimizer, dataloader, lr_scheduler)``.
+
+    ``config`` is an :class:`HfZeroConfig`, a dict or a JSON path in DeepSpeed's schema
+    (``config_params`` is DeepSpeed's older name for it). The default process group is joined
+    from the launcher's environment; with none, this runs as world size 1.
+    """
+    if model is None:
+        raise ValueError("hf_zero.initialize needs model=")
+    if config is None:
+        config = config_params
+    if config is None:
+        raise ValueError("hf_zero.initialize needs config= (an HfZeroConfig, a dict or a JSON path)")
+    device = default_device()
+    ensure_process_group(device)
+    comm = Communicator()
+    resolved = HfZeroConfig(config).resolve(world_size=comm.world_size, hidden_size=hidden_size_of(model))
+    resolved.log_summary(comm.rank)
+
+    for module in model.modules():  # buffers are replicated, never sharded
+        for name, buf in module.named_buffers(recurse=False):
+            if buf.device != device:
+                module._buffers[name] = buf.to(device)
+            comm.broadcast_(module._buffers[name], src=0, label=f"buffer.{name}")
+
+    param_group_of, hyper = _param_group_index(model, optimizer, model_parameters)
+    plan = plan_units(model, resolved.zero.wrap_modules)
+    threshold = int(resolved.zero.stage3_param_persistence_threshold) if resolved.stage == 3 else 0
+    units = [
+        ZeroUnit(i, spec, param_group_of, comm, resolved.stage, resolved.compute_dtype, device, threshold)
+        for i, spec in enumerate(plan.units)
+    ]
+    if comm.rank == 0:
+        logger.info("hf_zero: %d units (%s), stage %d, world size %d",
+                    len(units), plan.rule, resolved.stage, comm.world_size)
+
+    shard_groups = [dict(h, params=[]) for h in hyper]
+    trainable = [g for u in units for g in u.groups if g.kind.trainable]
+    for group in trainable:
+        shard_groups[group.kind.param_group_index]["params"].append(group.master)
+    shard_groups = [g for g in shard_groups if g["params"]] or [dict(hyper[0], params=[])]
+    inner = _build_inner_optimizer(resolved, optimizer, shard_groups) if trainable else None
+    zero_optimizer = None
+    if inner is not None:
+        zero_optimizer = ZeroOptimizer(inner, trainable, comm, resolved.gradient_clipping, resolved.stage)
+        zero_optimizer.loss_scaler = build_loss_scaler(**_loss_scaler_kwargs(resolved))
+    scheduler = _build_scheduler(resolved, zero_optimizer, lr_scheduler)
+    engine = ZeroEngine(model, resolved, comm, device, units, plan.rule, zero_optimizer, scheduler)
+    dataloader = _build_dataloader(training_data, resolved, comm, collate_fn)
+    return engine, zero_optimizer, dataloader, scheduler
+
+
+def _loss_scaler_kwargs(config: HfZeroConfig) -> dict[str, Any]:
+    fp16 = config.fp16
+    return dict(
+        enabled=fp16.enabled, loss_scale=fp16.loss_scale, initial_scale_power=fp16.initial_scale_power,
+        loss_scale_window=fp16.loss_scale_window, hysteresis=fp16.hysteresis,
+        consecutive_hysteresis=fp16.consecutive_hysteresis, min_loss_scale=fp16.min_loss_scale,
+    )

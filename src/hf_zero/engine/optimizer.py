@@ -1,0 +1,202 @@
+"""The optimizer over this rank's flat fp32 master shards.
+
+:class:`ZeroAdam` is the config's Adam/AdamW: one fused pass per shard (unscale, clip, weight
+decay, moments, update, and the write of the 16-bit compute copy; see hf_zero.kernels).
+:class:`ZeroOptimizer` wraps it, or any torch optimizer rebuilt over the shards, and runs the
+step the way DeepSpeed's ZeRO optimizer does: fp16 overflow check and skip, global-norm clipping
+over all shards of all ranks, the inner step, then the all-gather of updated parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from hf_zero.comm import Communicator
+from hf_zero.engine.flat_group import FlatParamGroup
+
+# torch.nn.utils.clip_grad_norm_ uses the same epsilon; matching it keeps parity exact.
+CLIP_EPS = 1e-6
+
+
+class ZeroAdam(torch.optim.Optimizer):
+    """Adam / AdamW over flat fp32 shards, one fused kernel call per shard.
+
+    ``decoupled_weight_decay=True`` is AdamW (DeepSpeed's default for both "Adam" and "AdamW",
+    its ``adam_w_mode``); False is Adam with L2 regularisation added to the gradient.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        decoupled_weight_decay: bool = True,
+    ) -> None:
+        defaults = dict(
+            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+            decoupled_weight_decay=decoupled_weight_decay,
+        )
+        super().__init__(params, defaults)
+        self.compute_copy: dict[int, torch.Tensor] = {}  # id(master) -> 16-bit shard to refresh
+
+    @torch.no_grad()
+    def step(self, closure: Callable | None = None, grad_scale: float = 1.0, clip_coef: float = 1.0):  # type: ignore[override]
+        from hf_zero.kernels import fused_adam_
+
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for master in group["params"]:
+                if master.grad is None:
+                    continue
+                state = self.state[master]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(master)
+                    state["exp_avg_sq"] = torch.zeros_like(master)
+                state["step"] += 1
+                fused_adam_(
+                    master, master.grad, state["exp_avg"], state["exp_avg_sq"],
+                    lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                    weight_decay=group["weight_decay"], step=state["step"],
+                    adamw=group["decoupled_weight_decay"], grad_scale=grad_scale,
+                    clip_coef=clip_coef, out=self.compute_copy.get(id(master)),
+                )
+        return loss
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """What ``hf_zero.initialize`` returns as the optimizer: the sharded step.
+
+    ``param_groups`` and ``state`` are the inner optimizer's, so torch LR schedulers (the
+    Trainer's included) and checkpoints see the real hyperparameters. Call ``engine.step()``
+    in a training loop; this object's :meth:`step` is what it runs at the accumulation boundary.
+    """
+
+    def __init__(
+        self,
+        inner: torch.optim.Optimizer,
+        groups: list[FlatParamGroup],
+        comm: Communicator,
+        gradient_clipping: float,
+        stage: int,
+    ) -> None:
+        # Deliberately not Optimizer.__init__: the param groups are the inner optimizer's, shared.
+        self.inner = inner
+        self.defaults = inner.defaults
+        self.groups = [g for g in groups if g.kind.trainable]
+        self.comm = comm
+        self.gradient_clipping = gradient_clipping
+        self.stage = stage
+        self.loss_scaler: Any = None  # set by the engine for fp16
+        self.overflow = False
+        self.global_grad_norm: float | None = None
+        self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_state_dict_post_hooks: OrderedDict = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
+        self._zero_grad_profile_name = "Optimizer.zero_grad#ZeroOptimizer.zero_grad"
+        if isinstance(inner, ZeroAdam):
+            for g in self.groups:
+                if g.master is not None and g.master.data_ptr() != g.shard.data_ptr():
+                    inner.compute_copy[id(g.master)] = g.shard
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.inner.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.inner.param_groups = value
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.inner.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.inner.state = value
+
+    def __repr__(self) -> str:
+        return f"ZeroOptimizer(stage={self.stage}, inner={type(self.inner).__name__})"
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state_dict)
+
+    # ------------------------------------------------------------------ the step
+    def _grad_shards(self) -> list[torch.Tensor]:
+        return [g.grad_shard for g in self.groups if g.grad_shard is not None]
+
+    def _sqnorm_and_nonfinite(self) -> tuple[float, bool]:
+        from hf_zero.kernels import nonfinite_and_sqnorm
+
+        shards = self._grad_shards()
+        if not shards:
+            return 0.0, False
+        found, sqnorm = nonfinite_and_sqnorm(shards)
+        # One all-reduce for both: the count of non-finite ranks travels with the squared norm.
+        packed = torch.stack([sqnorm.float(), found.float()])
+        if self.stage != 0:  # stage 0 grads are already identical on every rank
+            self.comm.all_reduce_(packed, label="grad_norm")
+        return float(packed[0]), bool(packed[1] > 0)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for group in self.groups:
+            group.zero_grad_shard()
+
+    @torch.no_grad()
+    def step(self, closure: Callable | None = None) -> None:  # type: ignore[override]
+        scale = self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
+        sqnorm, nonfinite = self._sqnorm_and_nonfinite()
+        self.overflow = nonfinite
+        if nonfinite:
+            self.global_grad_norm = math.inf
+            if self.loss_scaler is None:
+                raise FloatingPointError(
+                    "non-finite gradients (inf or nan) in a bf16/fp32 run; hf_zero does not skip "
+                    "steps without fp16 loss scaling. Check the data and the learning rate, or "
+                    "enable gradient_clipping"
+                )
+            self.loss_scaler.update_scale(True)
+            self.zero_grad()
+            return
+        norm = math.sqrt(sqnorm) / scale
+        self.global_grad_norm = norm
+        clip_coef = 1.0
+        if self.gradient_clipping > 0:
+            clip_coef = min(1.0, self.gradient_clipping / (norm + CLIP_EPS))
+        self._inner_step(scale, clip_coef)
+        for group in self.groups:
+            group.gather_updated_shards()
+        if self.loss_scaler is not None:
+            self.loss_scaler.update_scale(False)
+        self.zero_grad()
+
+    def _inner_step(self, scale: float, clip_coef: float) -> None:
+        if isinstance(self.inner, ZeroAdam):
+            self.inner.step(grad_scale=scale, clip_coef=clip_coef)
+            return
+        factor = clip_coef / scale
+        if factor != 1.0:
+            for shard in self._grad_shards():
+                shard.mul_(factor)
+        self.inner.step()
+        for group in self.groups:
+            if group.master is not None and group.master.data_ptr() != group.shard.data_ptr():
+                group.shard.copy_(group.master)
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()

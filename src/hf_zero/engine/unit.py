@@ -1,0 +1,88 @@
+"""A unit: one module and the flat groups of the parameters it owns (see partition.py)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hf_zero.comm import Communicator
+from hf_zero.engine.flat_group import FlatParamGroup, GroupKind
+from hf_zero.partition import UnitSpec, is_persistent
+
+
+class ZeroUnit:
+    """The groups of one unit, handled together: gathered together, reduced together."""
+
+    def __init__(
+        self,
+        index: int,
+        spec: UnitSpec,
+        param_group_of: dict[int, int],
+        comm: Communicator,
+        stage: int,
+        compute_dtype: torch.dtype,
+        device: torch.device,
+        persistence_threshold: int,
+    ) -> None:
+        self.index = index
+        self.name = spec.name
+        self.module: nn.Module = spec.module
+        buckets: dict[GroupKind, list[tuple[str, nn.Parameter]]] = {}
+        for name, param in spec.params:
+            kind = GroupKind(
+                trainable=param.requires_grad,
+                persistent=is_persistent(param, stage, persistence_threshold),
+                param_group_index=param_group_of.get(id(param), 0) if param.requires_grad else -1,
+            )
+            buckets.setdefault(kind, []).append((name, param))
+        self.groups = [
+            FlatParamGroup(
+                f"{spec.name}#{i}", named, kind, comm, stage, compute_dtype, device
+            )
+            for i, (kind, named) in enumerate(sorted(buckets.items(), key=_kind_order))
+        ]
+        self.trainable_params = [p for g in self.groups if g.kind.trainable for p in g.params]
+        # Per-backward state, reset by the end-of-backward sweep.
+        self.backward_started = False
+        self.grads_reduced = False
+        self.pending_grads = 0
+
+    @property
+    def numel(self) -> int:
+        return sum(g.layout.numel for g in self.groups)
+
+    @property
+    def sharded_numel(self) -> int:
+        """Elements that are gathered and freed around use (stage 3, non-persistent)."""
+        return sum(g.layout.padded_numel for g in self.groups if g.shards_params)
+
+    def unshard(self, async_op: bool = False) -> None:
+        for group in self.groups:
+            group.unshard(async_op=async_op)
+
+    def wait_unshard(self) -> None:
+        for group in self.groups:
+            group.wait_unshard()
+
+    def reshard(self) -> None:
+        for group in self.groups:
+            group.reshard()
+
+    def prepare_grads(self) -> None:
+        for group in self.groups:
+            group.prepare_grads()
+
+    def reduce_grads(self, reduce_dtype: torch.dtype) -> None:
+        for group in self.groups:
+            group.reduce_grads(reduce_dtype)
+        self.grads_reduced = True
+
+    def reset_backward_state(self) -> None:
+        self.backward_started = False
+        self.grads_reduced = False
+        self.pending_grads = len(self.trainable_params)
+
+
+def _kind_order(item: tuple[GroupKind, list]) -> tuple[int, int, int]:
+    kind = item[0]
+    return (not kind.trainable, kind.persistent, kind.param_group_index)

@@ -1,0 +1,114 @@
+"""Torch references: the specification every kernel backend is tested against.
+
+Each function has the same signature and semantics as its public counterpart in
+``hf_zero.kernels``. They are written for clarity, mirroring torch.optim's single-tensor Adam
+line by line, and are also the fallback wherever no faster path exists. Tests and benchmarks
+import them from here rather than keeping their own copies.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from hf_zero.kernels.validate import check_adam_hparams
+from hf_zero.kernels.validate import check_adam_tensors
+from hf_zero.kernels.validate import check_bucket
+from hf_zero.kernels.validate import check_norm_tensors
+
+
+@torch.no_grad()  # an optimizer step: parameters change in place, autograd must not record it
+def fused_adam_(
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    adamw: bool = True,
+    grad_scale: float = 1.0,
+    clip_coef: float = 1.0,
+    out: torch.Tensor | None = None,
+) -> None:
+    """One Adam (``adamw=False``, L2 decay) or AdamW (decoupled decay) step, in place.
+
+    ``grad`` is read as ``grad.float() / grad_scale * clip_coef`` and is never modified.
+    ``step`` is 1-based (the bias correction of the first update uses step=1). When ``out`` is
+    given it receives the updated master cast to ``out.dtype`` (the compute copy).
+    """
+    check_adam_tensors(master, grad, exp_avg, exp_avg_sq, out)
+    check_adam_hparams(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
+                       grad_scale=grad_scale, clip_coef=clip_coef)
+    # Out-of-place ops on g: grad.float() is grad itself when grad is fp32.
+    g = grad.float()
+    if grad_scale != 1.0:
+        g = g / grad_scale
+    if clip_coef != 1.0:
+        g = g * clip_coef
+    if weight_decay != 0.0:
+        if adamw:
+            master.mul_(1.0 - lr * weight_decay)
+        else:
+            g = g.add(master, alpha=weight_decay)
+    exp_avg.lerp_(g, 1.0 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+    step_size = lr / (1.0 - beta1**step)
+    bias_correction2_sqrt = math.sqrt(1.0 - beta2**step)
+    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+    master.addcdiv_(exp_avg, denom, value=-step_size)
+    if out is not None:
+        out.copy_(master)
+
+
+def pack_for_reduce_scatter(
+    grads: Sequence[torch.Tensor], world_size: int, out: torch.Tensor, scale: float = 1.0
+) -> None:
+    """Lay several units out rank-major in ``out``: for each rank r, r's chunk of every unit.
+
+    Unit u of numel L_u contributes ``u[r*L_u/ws : (r+1)*L_u/ws]`` to rank r's segment, so a
+    reduce-scatter of ``out`` hands rank r exactly its shard of every unit. Values are multiplied
+    by ``scale`` in fp32 (the pre-divide) and rounded once to ``out.dtype``.
+    """
+    check_bucket("grads", grads, world_size, out)
+    rank_major = out.view(world_size, -1)
+    column = 0
+    for grad in grads:
+        chunk = grad.numel() // world_size
+        src = grad.view(world_size, chunk)
+        dst = rank_major[:, column : column + chunk]
+        dst.copy_(src if scale == 1.0 else src.float() * scale)
+        column += chunk
+
+
+def unpack_after_all_gather(buffer: torch.Tensor, world_size: int, outs: Sequence[torch.Tensor]) -> None:
+    """Inverse of :func:`pack_for_reduce_scatter` (without the scale): rank-major ``buffer`` to units."""
+    check_bucket("outs", outs, world_size, buffer)
+    rank_major = buffer.view(world_size, -1)
+    column = 0
+    for unit in outs:
+        chunk = unit.numel() // world_size
+        unit.view(world_size, chunk).copy_(rank_major[:, column : column + chunk])
+        column += chunk
+
+
+def nonfinite_and_sqnorm(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(any element inf or nan, sum of squares in fp32) over all tensors, as 0-d device tensors.
+
+    The flag is computed on its own rather than read off the norm: finite fp32 values near 1e20
+    overflow the sum of squares to inf, which is not an overflow of the gradients themselves.
+    """
+    check_norm_tensors(tensors)
+    device = tensors[0].device
+    found = torch.zeros((), dtype=torch.bool, device=device)
+    sqnorm = torch.zeros((), dtype=torch.float32, device=device)
+    for tensor in tensors:
+        found |= ~torch.isfinite(tensor).all()
+        sqnorm += torch.linalg.vector_norm(tensor, dtype=torch.float32).square()
+    return found, sqnorm

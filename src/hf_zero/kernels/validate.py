@@ -1,0 +1,110 @@
+"""Argument checks shared by every kernel backend.
+
+Each backend (Triton, torch fused CPU, reference) trusts these checks and does pointer arithmetic
+on flat contiguous memory, so a wrong dtype or a strided view must be refused here, with a message
+that says what was expected, what was found and how to fix it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+STATE_DTYPE = torch.float32
+GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_flat(name: str, tensor: torch.Tensor, numel: int, device: torch.device) -> None:
+    if tensor.numel() != numel:
+        raise ValueError(f"{name} has {tensor.numel()} elements, expected {numel} (the numel of master)")
+    if tensor.device != device:
+        raise ValueError(f"{name} is on {tensor.device}, expected {device}; move it with .to({str(device)!r})")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (kernels address flat memory); pass {name}.contiguous()")
+
+
+def _check_dtype(name: str, tensor: torch.Tensor, allowed: Sequence[torch.dtype]) -> None:
+    if tensor.dtype not in allowed:
+        expected = ", ".join(str(dtype) for dtype in allowed)
+        raise TypeError(f"{name} has dtype {tensor.dtype}, expected one of: {expected}")
+
+
+def check_adam_tensors(
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    out: torch.Tensor | None,
+) -> None:
+    """Same numel, device and contiguity for all; fp32 master and moments; 16/32-bit grad and out."""
+    for name, tensor in (("master", master), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        _check_dtype(name, tensor, (STATE_DTYPE,))
+    _check_dtype("grad", grad, GRAD_DTYPES)
+    named = [("master", master), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)]
+    if out is not None:
+        _check_dtype("out", out, OUT_DTYPES)
+        named.append(("out", out))
+    for name, tensor in named:
+        _check_flat(name, tensor, master.numel(), master.device)
+
+
+def check_adam_hparams(
+    *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
+    grad_scale: float, clip_coef: float,
+) -> None:
+    """Ranges as torch.optim.Adam checks them, plus a 1-based integer step and a usable scale."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"step must be a python int >= 1 (1 on the first update), found {step!r}")
+    for name, value in (("beta1", beta1), ("beta2", beta2)):
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"{name} must be in [0, 1), found {value}")
+    for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay), ("clip_coef", clip_coef)):
+        if not (math.isfinite(value) and value >= 0.0):
+            raise ValueError(f"{name} must be a finite number >= 0, found {value}")
+    if not (math.isfinite(grad_scale) and grad_scale > 0.0):
+        raise ValueError(f"grad_scale must be a finite number > 0 (the loss scale), found {grad_scale}")
+
+
+def _check_units(name: str, units: Sequence[torch.Tensor], world_size: int, device: torch.device) -> int:
+    total = 0
+    for index, unit in enumerate(units):
+        if unit.numel() % world_size != 0:
+            raise ValueError(
+                f"{name}[{index}] has {unit.numel()} elements, not divisible by world_size={world_size}; "
+                "pad each unit to a multiple of the world size first"
+            )
+        if unit.device != device:
+            raise ValueError(f"{name}[{index}] is on {unit.device}, expected {device} like the buffer")
+        if not unit.is_contiguous():
+            raise ValueError(f"{name}[{index}] must be contiguous; pass .contiguous()")
+        _check_dtype(f"{name}[{index}]", unit, GRAD_DTYPES)
+        total += unit.numel()
+    return total
+
+
+def check_bucket(name: str, units: Sequence[torch.Tensor], world_size: int, buffer: torch.Tensor) -> None:
+    """The rank-major buffer of a pack/unpack: contiguous, as long as all units together."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a python int >= 1, found {world_size!r}")
+    _check_dtype("buffer", buffer, OUT_DTYPES)
+    if not buffer.is_contiguous():
+        raise ValueError("the rank-major buffer must be contiguous; pass .contiguous()")
+    total = _check_units(name, units, world_size, buffer.device)
+    if buffer.numel() != total:
+        raise ValueError(f"the rank-major buffer has {buffer.numel()} elements, expected {total} (sum of {name})")
+
+
+def check_norm_tensors(tensors: Sequence[torch.Tensor]) -> None:
+    """At least one tensor (it names the device of the result), all on one device, contiguous."""
+    if len(tensors) == 0:
+        raise ValueError("nonfinite_and_sqnorm needs at least one tensor (it fixes the result's device)")
+    device = tensors[0].device
+    for index, tensor in enumerate(tensors):
+        _check_dtype(f"tensors[{index}]", tensor, GRAD_DTYPES)
+        if tensor.device != device:
+            raise ValueError(f"tensors[{index}] is on {tensor.device}, expected {device} like tensors[0]")
+        if not tensor.is_contiguous():
+            raise ValueError(f"tensors[{index}] must be contiguous; pass .contiguous()")

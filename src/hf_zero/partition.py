@@ -1,0 +1,206 @@
+"""Units and flat layouts: how a model is cut and how each piece is laid out in memory.
+
+Everything here is pure arithmetic over the model's structure and the world size: no process
+group, no tensor data. The layouts computed here are what checkpoints record, so they must be a
+deterministic function of (model, world size, config).
+
+[Note: units]
+A *unit* is the granularity of communication. Under stage 3 a unit's full parameters exist only
+around its forward and its backward; under stage 2 a unit's gradients are reduce-scattered as
+soon as its backward is done. Units are chosen, in order of precedence, from
+``zero_optimization.wrap_modules`` (class names), ``model._no_split_modules`` (the classes
+Transformers never splits across devices: GPT2Block, LlamaDecoderLayer, ...), the children of the
+largest ``nn.ModuleList`` (the layer stack, for models that leave ``_no_split_modules`` empty),
+and finally the model as a single unit. Parameters not inside any unit form the *root unit*,
+which is the model itself. A parameter belongs to exactly one unit, by object identity, so tied
+weights are stored once; a parameter reachable from two different units moves to the root unit,
+whose full parameters are live for the whole forward and backward.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import torch
+from torch import nn
+
+logger = logging.getLogger("hf_zero")
+
+# Every shard starts on a 16-byte boundary for fp32 (64 for 16-bit is not needed on CPU/NCCL):
+# the padded flat length is a multiple of world_size * SHARD_ALIGNMENT elements.
+SHARD_ALIGNMENT = 4
+
+ROOT_UNIT_NAME = "<root>"
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one parameter lives inside a flat buffer."""
+
+    name: str  # fully qualified name in the model (first name, for a tied weight)
+    shape: tuple[int, ...]
+    offset: int  # in elements, from the start of the flat buffer
+    numel: int
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """A flat 1-D buffer holding several parameters back to back, padded so that it splits in
+    ``world_size`` equal shards. Rank r owns elements [r * shard_numel, (r + 1) * shard_numel)."""
+
+    slots: tuple[ParamSlot, ...]
+    numel: int  # sum of the parameters' numel: the real data
+    padded_numel: int  # numel rounded up to a multiple of world_size * SHARD_ALIGNMENT
+    world_size: int
+
+    @property
+    def shard_numel(self) -> int:
+        return self.padded_numel // self.world_size
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside world size {self.world_size}")
+        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
+    def to_dict(self) -> dict:
+        return {
+            "numel": self.numel,
+            "padded_numel": self.padded_numel,
+            "world_size": self.world_size,
+            "slots": [
+                {"name": s.name, "shape": list(s.shape), "offset": s.offset, "numel": s.numel}
+                for s in self.slots
+            ],
+        }
+
+
+def padded_length(numel: int, world_size: int, alignment: int = SHARD_ALIGNMENT) -> int:
+    """``numel`` rounded up to a multiple of ``world_size * alignment`` (at least one chunk, so an
+    empty group still has a well-formed, tiny layout)."""
+    chunk = world_size * alignment
+    return max(chunk, -(-numel // chunk) * chunk)
+
+
+def build_flat_layout(
+    named_params: Sequence[tuple[str, nn.Parameter]], world_size: int
+) -> FlatLayout:
+    """Lay the parameters out back to back in the given order."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    slots: list[ParamSlot] = []
+    offset = 0
+    for name, param in named_params:
+        slots.append(ParamSlot(name, tuple(param.shape), offset, param.numel()))
+        offset += param.numel()
+    return FlatLayout(tuple(slots), offset, padded_length(offset, world_size), world_size)
+
+
+@dataclass
+class UnitSpec:
+    """One unit: a module and the parameters it owns (see [Note: units])."""
+
+    name: str  # module fully-qualified name, or ROOT_UNIT_NAME
+    module: nn.Module
+    params: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for _, p in self.params)
+
+
+@dataclass
+class UnitPlan:
+    """The units of a model, root last, and which rule chose them."""
+
+    units: list[UnitSpec]
+    rule: str
+
+    @property
+    def root(self) -> UnitSpec:
+        return self.units[-1]
+
+
+def _class_names(names: Iterable[str] | None) -> set[str]:
+    return set(names) if names else set()
+
+
+def _modules_of_classes(model: nn.Module, class_names: set[str]) -> list[tuple[str, nn.Module]]:
+    """Outermost modules whose class is named in ``class_names`` (a unit never nests a unit)."""
+    chosen: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if module is model or type(module).__name__ not in class_names:
+            continue
+        if any(name.startswith(prefix + ".") for prefix, _ in chosen):
+            continue
+        chosen.append((name, module))
+    return chosen
+
+
+def _largest_module_list(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    best: tuple[int, str, nn.ModuleList] | None = None
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            numel = sum(p.numel() for p in module.parameters())
+            if best is None or numel > best[0]:
+                best = (numel, name, module)
+    if best is None or best[0] == 0:
+        return []
+    _, list_name, module_list = best
+    return [(f"{list_name}.{i}", child) for i, child in enumerate(module_list)]
+
+
+def choose_unit_modules(
+    model: nn.Module, wrap_modules: Sequence[str] | None = None
+) -> tuple[list[tuple[str, nn.Module]], str]:
+    """The modules that become units (root excluded) and a sentence naming the rule used."""
+    if wrap_modules:
+        found = _modules_of_classes(model, _class_names(wrap_modules))
+        if not found:
+            present = sorted({type(m).__name__ for m in model.modules()})
+            raise ValueError(
+                f"zero_optimization.wrap_modules={list(wrap_modules)} matches no module of "
+                f"{type(model).__name__}; module classes present: {present}"
+            )
+        return found, f"zero_optimization.wrap_modules {sorted(set(wrap_modules))}"
+    no_split = _class_names(getattr(model, "_no_split_modules", None))
+    found = _modules_of_classes(model, no_split) if no_split else []
+    if found:
+        return found, f"model._no_split_modules {sorted(no_split)}"
+    found = _largest_module_list(model)
+    if found:
+        return found, "children of the largest nn.ModuleList (model._no_split_modules is empty)"
+    return [], "the whole model as one unit (no _no_split_modules and no nn.ModuleList)"
+
+
+def plan_units(model: nn.Module, wrap_modules: Sequence[str] | None = None) -> UnitPlan:
+    """Cut ``model`` into units and assign every parameter to exactly one of them."""
+    unit_modules, rule = choose_unit_modules(model, wrap_modules)
+    owners: dict[int, set[int]] = {}  # id(param) -> indices of the units that reach it
+    for index, (_, module) in enumerate(unit_modules):
+        for param in module.parameters():
+            owners.setdefault(id(param), set()).add(index)
+
+    units = [UnitSpec(name, module) for name, module in unit_modules]
+    root = UnitSpec(ROOT_UNIT_NAME, model)
+    seen: set[int] = set()
+    # named_parameters() gives each tied parameter once, under its first name.
+    for name, param in model.named_parameters():
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        holders = owners.get(id(param), set())
+        target = units[next(iter(holders))] if len(holders) == 1 else root
+        target.params.append((name, param))
+    units = [u for u in units if u.params]
+    units.append(root)
+    logger.info("hf_zero: %d units chosen by %s", len(units), rule)
+    return UnitPlan(units, rule)
+
+
+def is_persistent(param: torch.Tensor, stage: int, persistence_threshold: int) -> bool:
+    """Under stage 3, parameters at or below the threshold stay gathered (DeepSpeed's
+    ``stage3_param_persistence_threshold``): gathering many tiny tensors costs more in latency
+    than it saves in memory."""
+    return stage == 3 and param.numel() <= persistence_threshold

@@ -1,0 +1,66 @@
+"""World size 1 with no launcher environment: runs in this very process, like a notebook."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed import scenarios as S
+
+
+@pytest.fixture
+def no_launcher_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_world_size_one_in_process_matches_adamw(no_launcher_env, stage):
+    sc = S.scenario("gpt2", stage, gas=2)
+    result = S.train_engine(sc)
+    reference = S.train_reference(sc, world=1)
+    losses = [sum(step) / sc["gas"] for step in result["losses"]]
+    assert losses == pytest.approx(reference["losses"], abs=1e-5)
+    for name, values in reference["params"].items():
+        assert max(abs(a - b) for a, b in zip(result["params"][name], values)) <= 1e-5
+    assert result["comm_per_step"][-1] == {}  # world size 1: collectives skipped, nothing counted
+
+
+def test_config_scheduler_drives_the_learning_rate(no_launcher_env):
+    import hf_zero
+
+    config = S.make_config(S.scenario("gpt2", 2))
+    config["scheduler"] = {"type": "WarmupLR", "params": {
+        "warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 4, "warmup_type": "linear"}}
+    engine, optimizer, _, scheduler = hf_zero.initialize(model=S.build_model(S.scenario("gpt2", 2)), config=config)
+    lrs = []
+    for step in range(6):
+        ids = torch.randint(0, 97, (2, 12))
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+        lrs.append(engine.get_lr()[0])
+    # DeepSpeed's linear warmup: lr(i) = min + (max - min) * i / warmup, stepped after each step.
+    assert lrs == pytest.approx([0.0, 2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3])
+    assert scheduler is engine.lr_scheduler and optimizer is engine.optimizer
+
+
+def test_step_is_a_no_op_between_accumulation_boundaries(no_launcher_env):
+    import hf_zero
+
+    sc = S.scenario("gpt2", 1, gas=3)
+    engine, _, _, _ = hf_zero.initialize(model=S.build_model(sc), config=S.make_config(sc))
+    before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    boundaries = []
+    for _ in range(3):
+        boundaries.append(engine.is_gradient_accumulation_boundary())
+        ids = torch.randint(0, 97, (2, 12))
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+        if len(boundaries) < 3:
+            assert all(torch.equal(before[n], p) for n, p in engine.module.named_parameters())
+    assert boundaries == [False, False, True]
+    assert engine.global_steps == 1 and engine.micro_steps == 3
+    assert any(not torch.equal(before[n], p) for n, p in engine.module.named_parameters())

@@ -1,0 +1,62 @@
+"""The compiled Triton kernels on a real GPU against the reference (skipped without CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_zero import kernels
+from hf_zero.kernels import dispatch
+from hf_zero.kernels import reference
+from tests.kernels.helpers import STATE_TOL
+from tests.kernels.helpers import AdamCase
+from tests.kernels.helpers import adam_state
+from tests.kernels.helpers import clone_state
+from tests.kernels.helpers import run_adam
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or dispatch.INTERPRET or dispatch.TRITON_IMPORT_ERROR is not None,
+    reason="needs CUDA and compiled triton",
+)
+BF16 = torch.bfloat16
+
+
+def _cuda(state: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
+    return {name: (t.cuda() if t is not None else None) for name, t in state.items()}
+
+
+@pytest.mark.parametrize("numel", [1, 4097, 1 << 20])
+@pytest.mark.parametrize("adamw", [True, False])
+def test_adam_on_gpu_matches_reference(numel: int, adamw: bool) -> None:
+    case = AdamCase(numel, BF16, BF16, 0.1, adamw, 10, 1024.0, 0.5)
+    state = _cuda(adam_state(case))
+    expected = clone_state(state)
+    assert kernels.backend_for(state["master"]) == "triton"
+    run_adam(kernels.fused_adam_, state, case)
+    run_adam(reference.fused_adam_, expected, case)
+    for name in ("master", "exp_avg", "exp_avg_sq"):
+        torch.testing.assert_close(state[name], expected[name], **STATE_TOL)
+    assert torch.equal(state["out"], state["master"].to(BF16))
+
+
+@pytest.mark.parametrize("chunks", [[5, 0, 12, 3], [16, 8, 4096]], ids=["uneven", "aligned"])
+def test_pack_round_trip_on_gpu(chunks: list[int]) -> None:
+    world_size = 4
+    units = [torch.randn(c * world_size, device="cuda") for c in chunks]
+    packed, expected = (torch.empty(sum(chunks) * world_size, device="cuda", dtype=BF16) for _ in range(2))
+    kernels.pack_for_reduce_scatter(units, world_size, packed, scale=0.25)
+    reference.pack_for_reduce_scatter(units, world_size, expected, scale=0.25)
+    assert torch.equal(packed, expected)
+    outs = [torch.empty(c * world_size, device="cuda", dtype=BF16) for c in chunks]
+    kernels.unpack_after_all_gather(packed, world_size, outs)
+    assert all(torch.equal(o, (u * 0.25).to(BF16)) for o, u in zip(outs, units))
+
+
+def test_norm_on_gpu_matches_reference() -> None:
+    tensors = [torch.randn(n, device="cuda").to(dtype) for n, dtype in [(1023, BF16), (1 << 20, torch.float32)]]
+    found, sqnorm = kernels.nonfinite_and_sqnorm(tensors)
+    expected_found, expected_sqnorm = reference.nonfinite_and_sqnorm(tensors)
+    assert found.item() is expected_found.item() is False
+    torch.testing.assert_close(sqnorm, expected_sqnorm, rtol=1e-5, atol=0.0)
+    tensors[1][12345] = float("nan")
+    assert kernels.nonfinite_and_sqnorm(tensors)[0].item() is True

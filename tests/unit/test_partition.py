@@ -1,0 +1,82 @@
+"""Units and flat layouts: pure arithmetic, checked against hand calculations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from hf_zero.partition import (
+    ROOT_UNIT_NAME, SHARD_ALIGNMENT, build_flat_layout, padded_length, plan_units,
+)
+from tests.tiny_models import tiny_bert_classifier, tiny_gpt2, tiny_llama
+
+
+def test_padded_length_hand_calculation():
+    assert SHARD_ALIGNMENT == 4
+    assert padded_length(10, 1) == 12
+    assert padded_length(10, 2) == 16  # chunk of 8
+    assert padded_length(10, 3) == 12  # chunk of 12
+    assert padded_length(24, 3) == 24
+    assert padded_length(0, 2) == 8  # an empty group still has one well-formed chunk
+
+
+def test_flat_layout_offsets_and_shards():
+    params = [("a", nn.Parameter(torch.zeros(3, 5))), ("b", nn.Parameter(torch.zeros(7)))]
+    layout = build_flat_layout(params, world_size=3)
+    assert [(s.name, s.offset, s.numel, s.shape) for s in layout.slots] == [
+        ("a", 0, 15, (3, 5)), ("b", 15, 7, (7,))]
+    assert layout.numel == 22 and layout.padded_numel == 24 and layout.shard_numel == 8
+    assert [layout.shard_range(r) for r in range(3)] == [(0, 8), (8, 16), (16, 24)]
+    with pytest.raises(ValueError, match="rank 3"):
+        layout.shard_range(3)
+
+
+@pytest.mark.parametrize("builder, unit_class, count", [
+    (tiny_gpt2, "GPT2Block", 2), (tiny_llama, "LlamaDecoderLayer", 2)])
+def test_units_from_no_split_modules(builder, unit_class, count):
+    model = builder()
+    plan = plan_units(model)
+    assert "_no_split_modules" in plan.rule
+    assert [type(u.module).__name__ for u in plan.units[:-1]] == [unit_class] * count
+    assert plan.root.name == ROOT_UNIT_NAME and plan.root.module is model
+
+
+def test_bert_falls_back_to_the_layer_stack():
+    model = tiny_bert_classifier()
+    model._no_split_modules = None  # as BERT ships in some transformers versions
+    plan = plan_units(model)
+    assert "ModuleList" in plan.rule
+    assert [u.name for u in plan.units[:-1]] == ["bert.encoder.layer.0", "bert.encoder.layer.1"]
+
+
+def test_every_parameter_in_exactly_one_unit_and_tied_weights_once():
+    model = tiny_gpt2()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    plan = plan_units(model)
+    owned = [id(p) for u in plan.units for _, p in u.params]
+    assert len(owned) == len(set(owned))
+    assert set(owned) == {id(p) for p in model.parameters()}
+    assert sum(u.numel for u in plan.units) == sum(p.numel() for p in model.parameters())
+
+
+def test_wrap_modules_override_and_error():
+    model = tiny_llama()
+    plan = plan_units(model, wrap_modules=["LlamaMLP"])
+    assert [u.name for u in plan.units[:-1]] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    with pytest.raises(ValueError, match="matches no module.*LlamaDecoderLayer"):
+        plan_units(model, wrap_modules=["NoSuchBlock"])
+
+
+def test_parameter_shared_by_two_units_moves_to_root():
+    shared = nn.Linear(4, 4)
+    model = nn.Sequential(nn.ModuleList([nn.Sequential(shared, nn.ReLU()), nn.Sequential(shared)]))
+    plan = plan_units(model)
+    assert all(not u.params for u in plan.units[:-1]) or len(plan.units) == 1
+    assert {id(p) for _, p in plan.root.params} == {id(shared.weight), id(shared.bias)}
+
+
+def test_plain_module_is_one_unit():
+    model = nn.Linear(3, 2)
+    plan = plan_units(model)
+    assert len(plan.units) == 1 and "whole model" in plan.rule
