@@ -117,6 +117,8 @@ def environment() -> dict[str, object]:
         "hf_zero": _version("hf-zero"),
         "python": platform.python_version(),
         "platform": platform.platform(),
+        # A shared machine's other load is the first suspect when CPU numbers move between runs.
+        "loadavg_1m_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
 

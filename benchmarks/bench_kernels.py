@@ -97,12 +97,19 @@ def bench_size(numel: int, device: torch.device, args: argparse.Namespace) -> li
     return rows
 
 
+def _count(numel: int) -> str:
+    for suffix, unit in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if numel % unit == 0:
+            return f"{numel // unit}{suffix}"
+    return str(numel)
+
+
 def table(rows: list[dict[str, object]], on_gpu: bool) -> str:
     headers = ["params", "implementation", "backend", "median ms", "p20-p80 ms", "Mparams/s", "GB/s",
                "vs AdamW(fused)"] + (["% of peak HBM"] if on_gpu else [])
     body = []
     for r in rows:
-        cells = [f"{r['numel'] / 2**20:g}M", r["impl"], r["backend"], f"{r['median_s'] * 1e3:.2f}",
+        cells = [_count(r["numel"]), r["impl"], r["backend"], f"{r['median_s'] * 1e3:.2f}",
                  f"{r['p20_s'] * 1e3:.2f}-{r['p80_s'] * 1e3:.2f}", f"{r['params_per_s'] / 1e6:,.0f}",
                  f"{r['gb_per_s']:.1f}", f"{r['speedup_vs_torch_fused']:.2f}x"]
         body.append(cells + ([f"{100 * r['peak_fraction']:.0f}%"] if on_gpu else []))

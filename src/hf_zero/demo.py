@@ -83,7 +83,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import GPT2LMHeadModel
 
     import hf_zero
+    from hf_zero.comm import default_device, ensure_process_group
 
+    ensure_process_group(default_device())  # the barrier below needs it before initialize
     model_dir = os.path.join(tempfile.gettempdir(), f"hf_zero_demo_{os.environ.get('MASTER_PORT', 'local')}")
     rank = int(os.environ.get("RANK", "0"))
     if rank == 0:

@@ -30,6 +30,7 @@ EXTRA = {
     "torch_optimizer_s1": S.scenario("gpt2", 1, 2, optimizer="torch"),
     "persistent_s3": S.scenario("gpt2", 3, 1, zero={"stage3_param_persistence_threshold": 100}),
     "no_prefetch_s3": S.scenario("llama", 3, 2, zero={"stage3_prefetch_bucket_size": 0}),
+    "max_live_s3": S.scenario("gpt2", 3, 1, zero={"stage3_max_live_parameters": 1}),
     "bert_s3": S.scenario("bert", 3, 1),
 }
 BF16 = {f"bf16_s{stage}": S.scenario("gpt2", stage, 2, dtype="bf16") for stage in (0, 1, 2, 3)}

@@ -64,3 +64,58 @@ def test_step_is_a_no_op_between_accumulation_boundaries(no_launcher_env):
     assert boundaries == [False, False, True]
     assert engine.global_steps == 1 and engine.micro_steps == 3
     assert any(not torch.equal(before[n], p) for n, p in engine.module.named_parameters())
+
+
+def test_training_data_gives_a_micro_batch_dataloader_and_progress_lines(no_launcher_env, caplog):
+    import logging
+
+    import hf_zero
+
+    rows = [{"input_ids": torch.randint(0, 97, (12,))} for _ in range(10)]
+    config = S.make_config(S.scenario("gpt2", 3))
+    config.update(train_micro_batch_size_per_gpu=4, steps_per_print=2, dataloader_drop_last=True)
+    engine, _, loader, _ = hf_zero.initialize(model=S.build_model(S.scenario("gpt2", 3)), config=config,
+                                              training_data=rows)
+    assert [len(b["input_ids"]) for b in loader] == [4, 4]  # drop_last drops the 2 left over
+    with caplog.at_level(logging.INFO, logger="hf_zero"):
+        for _ in range(2):
+            for batch in loader:
+                engine.backward(engine(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss)
+                engine.step()
+    lines = [r.getMessage() for r in caplog.records if "grad_norm" in r.getMessage()]
+    assert len(lines) == 2 and lines[0].startswith("hf_zero: step 2 loss ")
+    assert "samples/s" in lines[0]
+
+
+def test_initialize_reports_every_config_problem_at_once(no_launcher_env):
+    import hf_zero
+
+    bad = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 5, "overlap_com": True},
+           "gradiant_clipping": 1.0}
+    with pytest.raises(hf_zero.HfZeroConfigError) as info:
+        hf_zero.initialize(model=S.build_model(S.scenario("gpt2", 1)), config=bad)
+    paths = sorted(p.path for p in info.value.problems)
+    assert paths == ["gradiant_clipping", "zero_optimization.overlap_com", "zero_optimization.stage"]
+    assert "did you mean 'gradient_clipping'" in str(info.value)
+
+
+def test_torch_optimizer_and_scheduler_passed_in_are_rebound_to_the_shards(no_launcher_env):
+    import hf_zero
+
+    sc = S.scenario("llama", 2, optimizer="torch")
+    model = S.build_model(sc)
+    user_optimizer = torch.optim.AdamW([
+        {"params": [p for n, p in model.named_parameters() if "norm" not in n], "weight_decay": 0.1},
+        {"params": [p for n, p in model.named_parameters() if "norm" in n], "weight_decay": 0.0},
+    ], lr=1e-3)
+    user_scheduler = torch.optim.lr_scheduler.LambdaLR(user_optimizer, lambda step: 1.0 / (step + 1))
+    engine, optimizer, _, scheduler = hf_zero.initialize(
+        model=model, config=S.make_config(sc), optimizer=user_optimizer, lr_scheduler=user_scheduler)
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
+    assert all(p.dim() == 1 and p.dtype == torch.float32 for g in optimizer.param_groups for p in g["params"])
+    for _ in range(3):
+        ids = torch.randint(0, 97, (2, 12))
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+    assert engine.get_lr() == pytest.approx([1e-3 / 4, 1e-3 / 4])
+    assert scheduler is user_scheduler and scheduler.optimizer is optimizer

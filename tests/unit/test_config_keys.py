@@ -145,7 +145,7 @@ def test_reference_lists_every_key() -> None:
     text = reference_markdown()
     for spec in iter_specs():
         assert f"`{spec.path}`" in text
-    assert "| `zero_optimization.reduce_bucket_size` | int | 5e8 | implemented |" in text
+    assert "| `zero_optimization.stage` | int | 0 | implemented |" in text
     assert "not_implemented when \"cpu\" or \"nvme\"" in text
 
 

@@ -54,11 +54,14 @@ class ZeroEngine(nn.Module):
         self._boundary_override: bool | None = None
         self._step_applied = False
         self._last_step_time_s: float | None = None
+        self._last_loss: torch.Tensor | None = None
+        self._window_start = time.perf_counter()
         self.protocol = UnitProtocol(
             units,
             stage=self.stage,
             reduce_dtype=config.reduce_dtype,
             prefetch_numel=int(config.zero.stage3_prefetch_bucket_size) if self.stage == 3 else 0,
+            max_live_numel=int(config.zero.stage3_max_live_parameters),
             is_boundary=self.is_gradient_accumulation_boundary,
         )
         self.protocol.install()
@@ -126,6 +129,7 @@ class ZeroEngine(nn.Module):
         if self.loss_scale != 1.0:
             scaled = scaled * self.loss_scale
         scaled.backward(retain_graph=retain_graph)
+        self._last_loss = loss.detach()
         return loss
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
@@ -146,7 +150,24 @@ class ZeroEngine(nn.Module):
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
             self._last_step_time_s = time.perf_counter() - start
+            self._maybe_print_progress()
         self.micro_steps += 1
+
+    def _maybe_print_progress(self) -> None:
+        """``steps_per_print``: one line on rank 0 every N optimizer steps."""
+        every = self.config.steps_per_print
+        if not every or self.global_steps % every != 0 or self.rank != 0:
+            return
+        elapsed = time.perf_counter() - self._window_start
+        self._window_start = time.perf_counter()
+        loss = float(self._last_loss) if self._last_loss is not None else float("nan")
+        norm = self.get_global_grad_norm()
+        line = (f"step {self.global_steps} loss {loss:.4f} lr {self.get_lr()[0]:.3e} "
+                f"grad_norm {norm if norm is not None else float('nan'):.4f} "
+                f"step_time {elapsed / every:.3f}s samples/s {every * self.train_batch_size() / elapsed:.1f}")
+        if self.config.fp16.enabled:
+            line += f" loss_scale {self.loss_scale:g} skipped {self.skipped_steps}"
+        logger.info("hf_zero: %s", line)
 
     def was_step_applied(self) -> bool:
         return self._step_applied

@@ -53,12 +53,14 @@ class UnitProtocol:
         stage: int,
         reduce_dtype: torch.dtype,
         prefetch_numel: int,
+        max_live_numel: int,
         is_boundary: Callable[[], bool],
     ) -> None:
         self.units = units
         self.stage = stage
         self.reduce_dtype = reduce_dtype
         self.prefetch_numel = prefetch_numel
+        self.max_live_numel = max_live_numel
         self.is_boundary = is_boundary
         self.handles: list[RemovableHandle] = []
         self.finish_queued = False
@@ -173,17 +175,20 @@ class UnitProtocol:
 
         The next unit is always prefetched when prefetching is on (a unit is gathered whole, and
         DeepSpeed's per-parameter bucket defaults, 0.9 x hidden^2, are smaller than one decoder
-        layer); further units only while the bucket holds them."""
+        layer); further units only while the bucket holds them. Nothing is prefetched that would
+        take the gathered elements past ``stage3_max_live_parameters``."""
         if self.prefetch_numel <= 0 or unit.index not in self.position:
             return
         budget = self.prefetch_numel
+        live = sum(u.sharded_numel for u in self.units if u.is_unsharded)
         i = self.position[unit.index] + step
         first = True
         while 0 <= i < len(self.forward_order):
             upcoming = self.forward_order[i]
             budget -= upcoming.sharded_numel
-            if budget < 0 and not first:
+            if (budget < 0 and not first) or live + upcoming.sharded_numel > self.max_live_numel:
                 break
             first = False
+            live += 0 if upcoming.is_unsharded else upcoming.sharded_numel
             upcoming.unshard(async_op=True)
             i += step

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import logging
 from typing import Any, Callable, Iterable
 
@@ -132,6 +131,7 @@ def _build_dataloader(
     return DataLoader(
         training_data, batch_size=config.train_micro_batch_size_per_gpu, sampler=sampler,
         shuffle=sampler is None, collate_fn=collate_fn,
+        drop_last=bool(config.get_value("dataloader_drop_last", False)),
     )
 
 

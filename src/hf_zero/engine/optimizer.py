@@ -14,7 +14,6 @@ from collections import OrderedDict
 from typing import Any, Callable, Iterable
 
 import torch
-import torch.distributed as dist
 
 from hf_zero.comm import Communicator
 from hf_zero.engine.flat_group import FlatParamGroup
@@ -197,6 +196,3 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if group.master is not None and group.master.data_ptr() != group.shard.data_ptr():
                 group.shard.copy_(group.master)
 
-
-def is_distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()

@@ -56,6 +56,11 @@ class ZeroUnit:
         """Elements that are gathered and freed around use (stage 3, non-persistent)."""
         return sum(g.layout.padded_numel for g in self.groups if g.shards_params)
 
+    @property
+    def is_unsharded(self) -> bool:
+        """Whether the sharded groups are gathered (or being gathered)."""
+        return any(g.shards_params and g.full.untyped_storage().nbytes() > 0 for g in self.groups)
+
     def unshard(self, async_op: bool = False) -> None:
         for group in self.groups:
             group.unshard(async_op=async_op)

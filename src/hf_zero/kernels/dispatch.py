@@ -148,5 +148,7 @@ def nonfinite_and_sqnorm(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor,
     check_norm_tensors(tensors)
     backend = backend_for(tensors[0], "nonfinite_and_sqnorm")
     if backend == "reference":
+        if tensors[0].device.type == "cpu":
+            return cpu.nonfinite_and_sqnorm_cpu(tensors)
         return reference.nonfinite_and_sqnorm(tensors)
     return _TRITON["norm"].nonfinite_and_sqnorm_triton(tensors, interpret=INTERPRET)
