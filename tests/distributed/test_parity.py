@@ -30,6 +30,8 @@ EXTRA = {
     "torch_optimizer_s1": S.scenario("gpt2", 1, 2, optimizer="torch"),
     "persistent_s3": S.scenario("gpt2", 3, 1, zero={"stage3_param_persistence_threshold": 100}),
     "no_prefetch_s3": S.scenario("llama", 3, 2, zero={"stage3_prefetch_bucket_size": 0}),
+    "overlap_s2": S.scenario("llama", 2, 2, zero={"overlap_comm": True}),
+    "no_overlap_s3": S.scenario("gpt2", 3, 2, zero={"overlap_comm": False}),
     "max_live_s3": S.scenario("gpt2", 3, 1, zero={"stage3_max_live_parameters": 1}),
     "bert_s3": S.scenario("bert", 3, 1),
 }

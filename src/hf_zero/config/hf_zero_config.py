@@ -16,6 +16,7 @@ import torch
 from .auto import RESOLVE_ARGUMENTS, auto_paths, resolve_dict
 from .batch import GAS, MICRO, TOTAL, Batch, derive_batch
 from .keys import Status
+from .live import set_live_zero3_config
 from .loading import load_config
 from .schema import (
     Bf16Config,
@@ -61,6 +62,9 @@ class HfZeroConfig:
         problems.raise_if_any(source)
         self._init_state(raw, source, None, None)
         self._log_no_effect_once()
+        if raw.get("zero_optimization", {}).get("stage") == 3:
+            # Copies and resolved configs do not replace the user's own (see config/live.py).
+            set_live_zero3_config(self)
 
     def _init_state(self, raw: dict[str, Any], source: str, world_size: int | None, batch_note: str | None) -> None:
         self._dict = raw

@@ -329,7 +329,7 @@ _SPECS: list[KeySpec] = [
     KeySpec("zero_optimization.use_multi_rank_bucket_allreduce", Bool(), True, "Combine the reduce buckets of several ranks into one all-reduce.", NO_EFFECT, "a speed hint; the math is unchanged"),
     KeySpec("zero_optimization.allgather_partitions", Bool(), True, "All-gather (vs broadcast) updated partitions after the step.", NO_EFFECT, "hf_zero always all-gathers; broadcasts give the same values"),
     KeySpec("zero_optimization.allgather_bucket_size", Int(), 500_000_000, "Elements all-gathered per bucket (stages 1-2).", NO_EFFECT, "hf_zero all-gathers one collective per unit group; bucketing small units together is not implemented yet", check=at_least(0)),
-    KeySpec("zero_optimization.overlap_comm", Bool(), None, "Overlap gradient reduction with backward; null means true for stage 3 only (DeepSpeed's rule).", NO_EFFECT, "stage 3 always prefetches the next unit asynchronously; gradient reduce-scatters run synchronously per unit for now", nullable=True),
+    KeySpec("zero_optimization.overlap_comm", Bool(), None, "Overlap each unit's gradient reduce-scatter with the backward of the units before it (stages 2-3); null means true for stage 3 only (DeepSpeed's rule).", nullable=True),
     KeySpec("zero_optimization.load_from_fp32_weights", Bool(), True, "Initialise the fp32 master from the checkpoint's fp32 copy.", NO_EFFECT, "hf_zero checkpoints always hold the fp32 master and always load it"),
     KeySpec("zero_optimization.elastic_checkpoint", Bool(), False, "Legacy elastic checkpoints.", NO_EFFECT, "hf_zero checkpoints load at any world size anyway"),
     KeySpec("zero_optimization.offload_param", Section(), None, "Parameter offload (stage 3 only).", nullable=True),

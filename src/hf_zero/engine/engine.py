@@ -63,6 +63,7 @@ class ZeroEngine(nn.Module):
             prefetch_numel=int(config.zero.stage3_prefetch_bucket_size) if self.stage == 3 else 0,
             max_live_numel=int(config.zero.stage3_max_live_parameters),
             is_boundary=self.is_gradient_accumulation_boundary,
+            overlap_comm=bool(config.zero.overlap_comm) and self.stage >= 2,
         )
         self.protocol.install()
 
@@ -237,3 +238,28 @@ class ZeroEngine(nn.Module):
              **g.layout.to_dict()}
             for u in self.units for g in u.groups
         ]
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: Any = None) -> str:
+        """Write ``save_dir/<tag>/`` (default ``global_step<N>``) and ``save_dir/latest`` on every
+        rank together; see hf_zero.checkpoint.save. Returns the checkpoint directory."""
+        from hf_zero.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state)
+
+    def load_checkpoint(
+        self,
+        load_dir: str,
+        tag: str | None = None,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+    ) -> tuple[str | None, dict]:
+        """Load a checkpoint saved at any world size and stage; returns ``(checkpoint directory,
+        client_state)``. See hf_zero.checkpoint.load."""
+        from hf_zero.checkpoint import load_checkpoint
+
+        return load_checkpoint(
+            self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+        )

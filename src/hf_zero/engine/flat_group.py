@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from hf_zero.comm import Communicator, Handle
+from hf_zero.engine.param_source import ParamSource
 from hf_zero.partition import FlatLayout, build_flat_layout
 
 
@@ -42,6 +43,16 @@ def allocate_storage(tensor: torch.Tensor) -> bool:
         return False
     tensor.untyped_storage().resize_(needed)
     return True
+
+
+@dataclass
+class PendingReduce:
+    """A gradient reduction in flight: its handle, where the result lands, and the input the
+    collective still reads (kept alive until :meth:`FlatParamGroup.finish_reduce`)."""
+
+    handle: Handle | None
+    received: torch.Tensor
+    send: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -71,6 +82,7 @@ class FlatParamGroup:
         stage: int,
         compute_dtype: torch.dtype,
         device: torch.device,
+        source: ParamSource | None = None,
     ) -> None:
         self.label = label
         self.kind = kind
@@ -80,13 +92,23 @@ class FlatParamGroup:
         shard_world = 1 if stage == 0 else comm.world_size
         self.layout: FlatLayout = build_flat_layout(named_params, shard_world)
         self.shards_params = stage == 3 and not kind.persistent
-        self.full = self._flatten(compute_dtype, device)
-        self._bind_param_views()
         lo, hi = self.shard_range
-        # See [Note: views into flat buffers].
-        self.shard = self.full[lo:hi].clone() if self.shards_params else self.full[lo:hi]
-        if self.shards_params:
+        lazy = source is not None and any(p.is_meta for p in self.params)
+        if lazy and self.shards_params:
+            # Sharded loading: read only this rank's ranges; the full buffer is never touched
+            # (torch.empty leaves its pages unallocated) and freed at once.
+            self.full = torch.empty(self.layout.padded_numel, dtype=compute_dtype, device=device)
+            self.shard = torch.zeros(hi - lo, dtype=compute_dtype, device=device)
+            self._fill_from_source(source, self.shard, lo, hi)
+            self._bind_param_views()
             free_storage(self.full)
+        else:
+            self.full = self._flatten(compute_dtype, device, source if lazy else None)
+            self._bind_param_views()
+            # See [Note: views into flat buffers].
+            self.shard = self.full[lo:hi].clone() if self.shards_params else self.full[lo:hi]
+            if self.shards_params:
+                free_storage(self.full)
         self._pending_gather: Handle | None = None
         self.master: torch.Tensor | None = None
         self.grad_full: torch.Tensor | None = None
@@ -100,8 +122,11 @@ class FlatParamGroup:
         rank = 0 if self.stage == 0 else self.comm.rank
         return self.layout.shard_range(rank)
 
-    def _flatten(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def _flatten(self, dtype: torch.dtype, device: torch.device, source: ParamSource | None) -> torch.Tensor:
         full = torch.zeros(self.layout.padded_numel, dtype=dtype, device=device)
+        if source is not None:  # every rank reads the same files: no broadcast needed
+            self._fill_from_source(source, full, 0, self.layout.padded_numel)
+            return full
         with torch.no_grad():
             for slot, param in zip(self.layout.slots, self.params):
                 full[slot.offset : slot.offset + slot.numel].copy_(param.detach().reshape(-1))
@@ -109,9 +134,23 @@ class FlatParamGroup:
         self.comm.broadcast_(full, src=0, label=f"{self.label}.init")
         return full
 
+    def _fill_from_source(self, source: ParamSource, out: torch.Tensor, lo: int, hi: int) -> None:
+        """Elements [lo, hi) of the flat buffer, read parameter by parameter from ``source``."""
+        for slot in self.layout.slots:
+            start, stop = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+            if start < stop:
+                source.fill_(slot.name, slot.shape, start - slot.offset, stop - slot.offset,
+                             out[start - lo : stop - lo])
+
     def _bind_param_views(self) -> None:
         for slot, param in zip(self.layout.slots, self.params):
-            param.data = self.full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            view = self.full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            if param.is_meta:
+                # .data cannot move a tensor off the meta device; swapping keeps the Parameter
+                # object (tied weights, optimizer param groups) and gives it the view.
+                torch.utils.swap_tensors(param, nn.Parameter(view, requires_grad=param.requires_grad))
+            else:
+                param.data = view
 
     def _init_master_and_grads(self, compute_dtype: torch.dtype, device: torch.device) -> None:
         # See [Note: master aliasing].
@@ -119,11 +158,19 @@ class FlatParamGroup:
         self.grad_full = torch.zeros(self.layout.padded_numel, dtype=compute_dtype, device=device)
         if self.stage == 0 and compute_dtype == torch.float32:
             self.grad_shard = self.grad_full  # all-reduced in place, already fp32
-        else:
-            self.grad_shard = torch.zeros_like(self.master, dtype=torch.float32)
+            self.master.grad = self.grad_shard
         if self.stage != 0:
             self.release_grads()
-        self.master.grad = self.grad_shard
+        # Otherwise the fp32 gradient shard is allocated by the first reduction: right after
+        # initialize a rank holds its parameter shards and nothing else (see sharded loading).
+
+    def _ensure_grad_shard(self) -> torch.Tensor:
+        if self.grad_shard is None:
+            if self.master is None:
+                raise RuntimeError(f"{self.label} is frozen: it has no fp32 master to give a gradient shard")
+            self.grad_shard = torch.zeros_like(self.master, dtype=torch.float32)
+            self.master.grad = self.grad_shard
+        return self.grad_shard
 
     # ----------------------------------------------------------------- parameters
     @property
@@ -192,8 +239,16 @@ class FlatParamGroup:
     def reduce_grads(self, reduce_dtype: torch.dtype) -> None:
         """Average the full gradients over ranks and add this rank's part into the fp32
         gradient shard. Stages 1-3 then free the full gradient buffer."""
-        if self.grad_full is None or self.grad_shard is None:
-            return
+        pending = self.start_reduce(reduce_dtype, async_op=False)
+        if pending is not None:
+            self.finish_reduce(pending)
+
+    def start_reduce(self, reduce_dtype: torch.dtype, async_op: bool) -> PendingReduce | None:
+        """Issue the gradient reduction; :meth:`finish_reduce` waits for it and accumulates.
+        Until then the full gradient buffer is the collective's input and must stay alive."""
+        if self.grad_full is None:
+            return None
+        self._ensure_grad_shard()
         self.prepare_grads()  # allocates zeros if this group got no gradient this backward
         world = self.comm.world_size
         send = self.grad_full if self.grad_full.dtype == reduce_dtype else self.grad_full.to(reduce_dtype)
@@ -201,13 +256,18 @@ class FlatParamGroup:
             send.div_(world)  # gloo has no AVG: pre-divide, then sum
         if self.stage == 0:
             self.comm.all_reduce_(send, label=self.label)
-            if self.grad_shard.data_ptr() != send.data_ptr():
-                self.grad_shard.add_(send)
-            return
+            return PendingReduce(None, send, send)
         received = torch.empty(self.layout.shard_numel, dtype=reduce_dtype, device=send.device)
-        self.comm.reduce_scatter_into(received, send, label=self.label)
-        self.grad_shard.add_(received)
-        self.release_grads()
+        handle = self.comm.reduce_scatter_into(received, send, label=self.label, async_op=async_op)
+        return PendingReduce(handle, received, send)
+
+    def finish_reduce(self, pending: PendingReduce) -> None:
+        if pending.handle is not None:
+            pending.handle.wait()
+        if self.grad_shard is not None and self.grad_shard.data_ptr() != pending.received.data_ptr():
+            self.grad_shard.add_(pending.received)
+        if self.stage != 0:
+            self.release_grads()
 
     def release_grads(self) -> None:
         if self.grad_full is None:

@@ -11,7 +11,10 @@
   unit again and prefetches the unit that runs backward next; every stage binds ``.grad`` views.
 - post_backward (when the last trainable parameter's gradient has been accumulated): stages 2-3
   reduce-scatter the unit's gradients into the fp32 shard and free the full gradients; stage 3
-  frees the parameters.
+  frees the parameters. With ``overlap_comm`` the reduce-scatter is asynchronous and overlaps
+  the backward of the units before it; at most one unit's reduction is in flight: the next
+  post_backward (or finish_backward) finishes it first, so memory stays bounded by two units'
+  full gradients.
 - finish_backward (queued on the autograd engine at the first pre_backward, so it runs once
   the whole backward is done): reduces what the hooks did not (unused parameters, frozen units,
   stages 0-1 at the accumulation boundary) in the fixed unit order so every rank issues the same
@@ -55,12 +58,15 @@ class UnitProtocol:
         prefetch_numel: int,
         max_live_numel: int,
         is_boundary: Callable[[], bool],
+        overlap_comm: bool = False,
     ) -> None:
         self.units = units
         self.stage = stage
         self.reduce_dtype = reduce_dtype
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
+        self.overlap_comm = overlap_comm
+        self.in_flight: tuple[ZeroUnit, list] | None = None
         self.is_boundary = is_boundary
         self.handles: list[RemovableHandle] = []
         self.finish_queued = False
@@ -148,12 +154,23 @@ class UnitProtocol:
         unit.prepare_grads()
 
     def post_backward(self, unit: ZeroUnit) -> None:
-        unit.reduce_grads(self.reduce_dtype)
         if self.stage == 3:
-            unit.reshard()
+            unit.reshard()  # parameters are no longer needed; the gradients may still be in flight
+        if not self.overlap_comm:
+            unit.reduce_grads(self.reduce_dtype)
+            return
+        self._finish_in_flight()
+        self.in_flight = (unit, unit.start_reduce(self.reduce_dtype, async_op=True))
+
+    def _finish_in_flight(self) -> None:
+        if self.in_flight is not None:
+            unit, pending = self.in_flight
+            self.in_flight = None
+            unit.finish_reduce(pending)
 
     def finish_backward(self) -> None:
         self.finish_queued = False
+        self._finish_in_flight()
         reduce_now = self.stage >= 2 or self.is_boundary()
         for unit in self.units:
             if reduce_now and unit.trainable_params and not unit.grads_reduced:

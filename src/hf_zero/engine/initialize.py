@@ -14,6 +14,7 @@ from hf_zero.config import HfZeroConfig
 from hf_zero.engine.engine import ZeroEngine
 from hf_zero.engine.loss_scaler import build_loss_scaler
 from hf_zero.engine.optimizer import ZeroAdam, ZeroOptimizer
+from hf_zero.engine.param_source import SOURCE_ATTRIBUTE, ParamSource
 from hf_zero.engine.schedulers import build_scheduler
 from hf_zero.engine.unit import ZeroUnit
 from hf_zero.partition import plan_units
@@ -163,19 +164,17 @@ def initialize(
     resolved = HfZeroConfig(config).resolve(world_size=comm.world_size, hidden_size=hidden_size_of(model))
     resolved.log_summary(comm.rank)
 
-    for module in model.modules():  # buffers are replicated, never sharded
-        for name, buf in module.named_buffers(recurse=False):
-            if buf.device != device:
-                module._buffers[name] = buf.to(device)
-            comm.broadcast_(module._buffers[name], src=0, label=f"buffer.{name}")
-
+    source = _lazy_source(model)
+    _place_buffers(model, device, comm, source)
     param_group_of, hyper = _param_group_index(model, optimizer, model_parameters)
     plan = plan_units(model, resolved.zero.wrap_modules)
     threshold = int(resolved.zero.stage3_param_persistence_threshold) if resolved.stage == 3 else 0
     units = [
-        ZeroUnit(i, spec, param_group_of, comm, resolved.stage, resolved.compute_dtype, device, threshold)
+        ZeroUnit(i, spec, param_group_of, comm, resolved.stage, resolved.compute_dtype, device, threshold, source)
         for i, spec in enumerate(plan.units)
     ]
+    if source is not None:
+        delattr(model, SOURCE_ATTRIBUTE)  # the weights are in the shards now; close the files
     if comm.rank == 0:
         logger.info("hf_zero: %d units (%s), stage %d, world size %d",
                     len(units), plan.rule, resolved.stage, comm.world_size)
@@ -194,6 +193,44 @@ def initialize(
     engine = ZeroEngine(model, resolved, comm, device, units, plan.rule, zero_optimizer, scheduler)
     dataloader = _build_dataloader(training_data, resolved, comm, collate_fn)
     return engine, zero_optimizer, dataloader, scheduler
+
+
+def _lazy_source(model: nn.Module) -> ParamSource | None:
+    """The weight source of a model loaded with its parameters on the meta device (sharded
+    loading, see hf_zero.integrations.zero3_loading), after checking it covers every one."""
+    meta = [name for name, p in model.named_parameters() if p.is_meta]
+    if not meta:
+        return None
+    source = getattr(model, SOURCE_ATTRIBUTE, None)
+    if source is None:
+        raise ValueError(
+            f"{len(meta)} parameters of the model are on the meta device (e.g. {meta[:3]}) and "
+            "nothing says where their values are; load the model with from_pretrained (with or "
+            "without a live stage-3 HfZeroConfig) or materialise it before hf_zero.initialize"
+        )
+    absent = [name for name in meta if not source.has(name)]
+    if absent:
+        raise ValueError(
+            f"parameters {absent[:8]}{' ...' if len(absent) > 8 else ''} are not in the checkpoint "
+            f"({len(absent)} in all); hf_zero's sharded loading needs every weight in the files. "
+            "Load this model without a live stage-3 HfZeroConfig: initialize then shards the "
+            "fully built model"
+        )
+    return source
+
+
+def _place_buffers(model: nn.Module, device: torch.device, comm: Communicator, source: ParamSource | None) -> None:
+    """Buffers are replicated, never sharded: on the compute device, equal on every rank (read
+    from the checkpoint when the model was loaded lazily, else rank 0's)."""
+    for module_name, module in model.named_modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if buf.device != device:
+                module._buffers[name] = buf = buf.to(device)
+            full_name = f"{module_name}.{name}" if module_name else name
+            if source is not None and source.has(full_name):
+                source.fill_(full_name, tuple(buf.shape), 0, buf.numel(), buf.view(-1))
+            elif source is None:
+                comm.broadcast_(buf, src=0, label=f"buffer.{name}")
 
 
 def _loss_scaler_kwargs(config: HfZeroConfig) -> dict[str, Any]:

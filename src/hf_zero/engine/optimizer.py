@@ -157,6 +157,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None) -> None:  # type: ignore[override]
+        self._opt_called = True  # what torch LR schedulers check to see the step happened first
         scale = self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
         sqnorm, nonfinite = self._sqnorm_and_nonfinite()
         self.overflow = nonfinite
@@ -182,6 +183,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.loss_scaler is not None:
             self.loss_scaler.update_scale(False)
         self.zero_grad()
+
+    # A torch scheduler re-pointed at this optimizer (see initialize) reads this marker, which
+    # its constructor would have set by wrapping ``step``; our step is the tracked one.
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
 
     def _inner_step(self, scale: float, clip_coef: float) -> None:
         if isinstance(self.inner, ZeroAdam):

@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from hf_zero.comm import Communicator
-from hf_zero.engine.flat_group import FlatParamGroup, GroupKind
+from hf_zero.engine.flat_group import FlatParamGroup, GroupKind, PendingReduce
+from hf_zero.engine.param_source import ParamSource
 from hf_zero.partition import UnitSpec, is_persistent
 
 
@@ -23,6 +24,7 @@ class ZeroUnit:
         compute_dtype: torch.dtype,
         device: torch.device,
         persistence_threshold: int,
+        source: ParamSource | None = None,
     ) -> None:
         self.index = index
         self.name = spec.name
@@ -37,7 +39,7 @@ class ZeroUnit:
             buckets.setdefault(kind, []).append((name, param))
         self.groups = [
             FlatParamGroup(
-                f"{spec.name}#{i}", named, kind, comm, stage, compute_dtype, device
+                f"{spec.name}#{i}", named, kind, comm, stage, compute_dtype, device, source
             )
             for i, (kind, named) in enumerate(sorted(buckets.items(), key=_kind_order))
         ]
@@ -78,9 +80,16 @@ class ZeroUnit:
             group.prepare_grads()
 
     def reduce_grads(self, reduce_dtype: torch.dtype) -> None:
-        for group in self.groups:
-            group.reduce_grads(reduce_dtype)
+        self.finish_reduce(self.start_reduce(reduce_dtype, async_op=False))
+
+    def start_reduce(self, reduce_dtype: torch.dtype, async_op: bool) -> list[tuple[FlatParamGroup, PendingReduce]]:
         self.grads_reduced = True
+        started = [(g, g.start_reduce(reduce_dtype, async_op)) for g in self.groups]
+        return [(g, p) for g, p in started if p is not None]
+
+    def finish_reduce(self, pending: list[tuple[FlatParamGroup, PendingReduce]]) -> None:
+        for group, reduce in pending:
+            group.finish_reduce(reduce)
 
     def reset_backward_state(self) -> None:
         self.backward_started = False
