@@ -1,9 +1,10 @@
 """Checkpoints on real gloo process groups: bitwise resume, resume at another world size and stage,
 atomic saves that fail half-way, corrupt checkpoints, export to a Hugging Face folder.
 
-Three spawns (world sizes 2, 3, 2) run every scenario; the checkpoints they write live in one
-temporary directory, so the second spawn reads what the first wrote at another world size.
-Between spawns, this process exports the checkpoints and loads them with ``from_pretrained``.
+One spawn of three processes runs every scenario in three successive process groups (world
+sizes 2, 3, then 2 again; see ``_in_group``); the checkpoints they write live in one temporary
+directory, so each group reads what the one before wrote at another world size. This process
+then exports the checkpoints and loads them with ``from_pretrained``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import pytest
 import torch
 
 from tests.distributed import scenarios as S
-from tests.distributed.launch import run_distributed
+from tests.distributed.launch import free_port, run_distributed
 from tests.tiny_models import batch_for_step
 
 FP32_ATOL = 1e-5
@@ -132,7 +133,7 @@ def _bitwise(root: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
     reference = _train(engine, sc, range(SAVE_AT, STEPS))  # saving must not disturb the run
     engine.save_checkpoint(save_dir, tag="final")
     resumed = _engine(sc, seed=1, **opts)  # other initial weights: the load must replace them all
-    path, client_state = resumed.load_checkpoint(save_dir)
+    path, client_state = resumed.load_checkpoint(save_dir, tag=f"global_step{SAVE_AT}")
     loaded_params = S.full_params(resumed)
     rng_after_load = torch.rand(4).tolist()
     counters = [resumed.global_steps, resumed.micro_steps, resumed.global_samples]
@@ -223,11 +224,11 @@ def _corrupt_loads(root: str) -> dict[str, Any]:
     """Each broken checkpoint raises the same clear error on every rank and changes nothing."""
     source = os.path.join(root, "gpt2_s3_sched")
     broken = os.path.join(root, "broken")
-    cases = {
-        "missing_rank_file": lambda d: os.remove(os.path.join(d, "global_step3", "rank-00001-of-00002.safetensors")),
-        "truncated": lambda d: _truncate(os.path.join(d, "global_step3", "rank-00000-of-00002.safetensors")),
+    cases = {  # each damages the checkpoint "latest" names ("final")
+        "missing_rank_file": lambda d: os.remove(os.path.join(d, "final", "rank-00001-of-00002.safetensors")),
+        "truncated": lambda d: _truncate(os.path.join(d, "final", "rank-00000-of-00002.safetensors")),
         "missing_latest": lambda d: os.remove(os.path.join(d, "latest")),
-        "missing_manifest": lambda d: os.remove(os.path.join(d, "global_step3", "manifest.json")),
+        "missing_manifest": lambda d: os.remove(os.path.join(d, "final", "manifest.json")),
     }
     if _rank() == 0:
         for case, damage in cases.items():
@@ -288,7 +289,7 @@ def _memory_reports() -> list[dict[str, int]]:
     return reports
 
 
-# ------------------------------------------------------------------ the three spawns
+# ------------------------------------------------------------------ one spawn, three process groups
 def _phase_world2(root: str) -> dict[str, Any]:
     out: dict[str, Any] = {name: _bitwise(root, name, spec) for name, spec in BITWISE.items()}
     out["cross_reference"] = _cross_reference(root)
@@ -320,14 +321,39 @@ def _phase_world2_again(root: str) -> dict[str, Any]:
     }
 
 
+def _in_group(world: int, port: int, phase: Callable[[str], Any], root: str) -> Any:
+    """Run ``phase`` in a fresh default process group of the first ``world`` processes (the
+    others skip it): one spawn serves world sizes 2, 3 and 2 again, so the interpreters and
+    their imports are paid once. ``hf_zero.initialize`` joins the group from the environment."""
+    import torch.distributed as dist
+
+    if int(os.environ["RANK"]) >= world:
+        return None
+    os.environ.update(WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), MASTER_PORT=str(port))
+    try:
+        return phase(root)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _all_phases(root: str, ports: list[int]) -> dict[str, Any]:
+    return {
+        "w2": _in_group(2, ports[0], _phase_world2, root),
+        "w3": _in_group(3, ports[1], _phase_world3, root),
+        "w2again": _in_group(2, ports[2], _phase_world2_again, root),
+    }
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = str(tmp_path_factory.mktemp("checkpoints"))
+    per_rank = run_distributed(_all_phases, 3, root, [free_port() for _ in range(3)])
     return {
         "root": root,
-        2: run_distributed(_phase_world2, 2, root),
-        3: run_distributed(_phase_world3, 3, root),
-        "2again": run_distributed(_phase_world2_again, 2, root),
+        2: [r["w2"] for r in per_rank[:2]],
+        3: [r["w3"] for r in per_rank],
+        "2again": [r["w2again"] for r in per_rank[:2]],
     }
 
 
@@ -458,20 +484,9 @@ def test_export_loads_with_from_pretrained_and_gives_the_same_logits(runs, tmp_p
             assert "lm_head.weight" not in json.load(handle)["weight_map"]  # tied: written once
 
 
-def test_export_cli_single_file(runs, tmp_path):
-    out = tmp_path / "cli"
-    done = subprocess.run(
-        [sys.executable, "-m", "hf_zero.cli", "export", os.path.join(runs["root"], "llama_s0"), str(out),
-         "--tag", "global_step3", "--dtype", "bf16"],
-        capture_output=True, text=True, check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors"]
-
-
 _MEASURE = r"""
 import json, resource, sys
-import torch, transformers, safetensors  # imports are not the export's memory
+import numpy, safetensors, torch  # imports are not the export's memory (it needs no transformers)
 from hf_zero.checkpoint import export_hf_model
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 export_hf_model(sys.argv[1], sys.argv[2], dtype="fp32", max_shard_size="1GB")
@@ -482,13 +497,16 @@ print(json.dumps({"peak_growth_bytes": (after - before) * 1024}))
 
 def test_export_peak_memory_is_about_one_unit_not_the_model(runs, tmp_path):
     big = runs[2][0]["big"]
+    # glibc raises its mmap threshold after large frees and then keeps freed blocks in the heap;
+    # a fixed threshold makes the peak the program's, not the allocator's history.
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
     done = subprocess.run([sys.executable, "-c", _MEASURE, os.path.join(runs["root"], "big"), str(tmp_path / "big")],
-                          capture_output=True, text=True, check=True)
+                          capture_output=True, text=True, check=True, env=env)
     growth = json.loads(done.stdout.strip().splitlines()[-1])["peak_growth_bytes"]
-    assert big["model_bytes"] > 6 * big["unit_bytes"]
-    # One unit is mapped at a time and one parameter is held; the model is written to one file.
-    assert growth < 2 * big["unit_bytes"], (growth, big)
-    assert os.path.getsize(tmp_path / "big" / "model.safetensors") >= big["model_bytes"] - big["unit_bytes"]
+    assert big["model_bytes"] > 7 * big["unit_bytes"]
+    # One parameter is assembled, written and dropped at a time; the model is written to one file.
+    assert growth < 1.5 * big["unit_bytes"], (growth, big)
+    assert os.path.getsize(tmp_path / "big" / "model.safetensors") >= big["model_bytes"]
 
 
 # ------------------------------------------------------------------ tests: the estimator

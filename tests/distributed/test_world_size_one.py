@@ -113,9 +113,15 @@ def test_torch_optimizer_and_scheduler_passed_in_are_rebound_to_the_shards(no_la
         model=model, config=S.make_config(sc), optimizer=user_optimizer, lr_scheduler=user_scheduler)
     assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
     assert all(p.dim() == 1 and p.dtype == torch.float32 for g in optimizer.param_groups for p in g["params"])
+    before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     for _ in range(3):
         ids = torch.randint(0, 97, (2, 12))
         engine.backward(engine(input_ids=ids, labels=ids).loss)
         engine.step()
     assert engine.get_lr() == pytest.approx([1e-3 / 4, 1e-3 / 4])
+    # The sharded optimizer really stepped (not the user's original one, which the scheduler had
+    # wrapped): it has Adam state for every shard and every parameter moved.
+    assert len(optimizer.inner.state) == sum(len(g["params"]) for g in optimizer.param_groups)
+    assert all(not torch.equal(before[n], p) for n, p in engine.module.named_parameters())
+    assert all(len(s) == 0 for s in user_optimizer.state.values())
     assert scheduler is user_scheduler and scheduler.optimizer is optimizer

@@ -1,0 +1,16 @@
+"""Checkpoints: sharded save, load at any world size and stage, export to a Hugging Face folder.
+
+``save_checkpoint`` / ``load_checkpoint`` take the engine (``engine.save_checkpoint(...)`` and
+``engine.load_checkpoint(...)`` delegate here); ``export_hf_model`` needs only the checkpoint.
+"""
+
+from hf_zero.checkpoint.errors import CheckpointError, CheckpointNotFoundError
+from hf_zero.checkpoint.export import export_hf_model
+from hf_zero.checkpoint.load import load_checkpoint
+from hf_zero.checkpoint.manifest import list_tags, read_manifest, resolve_checkpoint_dir
+from hf_zero.checkpoint.save import save_checkpoint
+
+__all__ = [
+    "CheckpointError", "CheckpointNotFoundError", "export_hf_model", "list_tags", "load_checkpoint",
+    "read_manifest", "resolve_checkpoint_dir", "save_checkpoint",
+]

@@ -67,14 +67,19 @@ def _param_group_index(
     return index, hyper
 
 
+_NOT_COPIED_FROM_USER_OPTIMIZER = frozenset({"param_groups", "state", "defaults", "step", "_opt_called"})
+
+
 def _rebuild_torch_optimizer(
     optimizer: torch.optim.Optimizer, shard_groups: list[dict[str, Any]]
 ) -> torch.optim.Optimizer:
     """The same optimizer class and hyperparameters, over this rank's fp32 shards. Its state
     starts empty: the shards are new tensors."""
     rebuilt = type(optimizer).__new__(type(optimizer))
+    # Instance attributes carry subclass settings; "step" may be an instance attribute too (a
+    # torch LR scheduler wraps the optimizer's step), and copying it would step the old optimizer.
     rebuilt.__dict__.update(
-        {k: v for k, v in optimizer.__dict__.items() if k not in ("param_groups", "state", "defaults")}
+        {k: v for k, v in optimizer.__dict__.items() if k not in _NOT_COPIED_FROM_USER_OPTIMIZER}
     )
     torch.optim.Optimizer.__init__(rebuilt, shard_groups, optimizer.defaults)
     return rebuilt

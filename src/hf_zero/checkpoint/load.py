@@ -1,0 +1,257 @@
+"""``load_checkpoint``: any saved world size and stage into this engine's layout.
+
+[Note: checked, then applied]
+Loading runs in two phases. The first only reads: it resolves the tag, reads the manifest,
+checks that the checkpoint holds this model (every parameter name and shape), plans which
+slices of which rank files fill this rank's shards (see [Note: resharding by name]) and checks
+every file it will read (present, the recorded size, a readable header, the same save, the
+expected tensors). All ranks then exchange their outcome, so a problem seen by one rank is
+raised by every rank, and the engine is untouched. Only then does the second phase copy data
+in: masters (or, for frozen groups, the compute shards), the 16-bit compute shards cast from the
+loaded masters, the full parameters re-gathered for stages 0-2 and persistent groups, the
+optimizer state, buffers, scheduler, loss scaler, counters and RNG states.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hf_zero.checkpoint.errors import CheckpointError
+from hf_zero.checkpoint.manifest import (
+    BUFFER_PREFIX, MANIFEST_NAME, OPTIM_PREFIX, PARAM_KEY, decode_state, persistent_buffers,
+    read_manifest, resolve_checkpoint_dir, restore_rng, tensor_name,
+)
+from hf_zero.checkpoint.reader import RankFiles
+from hf_zero.checkpoint.reshard import Piece, SavedSlot, index_saved_slots, plan_pieces
+from hf_zero.checkpoint.safetensors_io import TAG_DTYPES
+
+logger = logging.getLogger("hf_zero")
+
+
+@dataclass
+class _GroupPlan:
+    group: Any  # FlatParamGroup
+    pieces: list[Piece]
+    source: int  # the saved group holding this group's first parameter (optimizer scalars)
+    optim_keys: list[str]  # element-wise optimizer state to read ("exp_avg", ...)
+
+
+@dataclass
+class _Plan:
+    ckpt_dir: str
+    manifest: dict[str, Any]
+    files: RankFiles
+    groups: list[_GroupPlan]
+    load_optimizer: bool
+    buffers: list[tuple[str, torch.Tensor]]
+
+
+def _engine_groups(engine: Any) -> list[Any]:
+    return [g for u in engine.units for g in u.groups]
+
+
+def _check_same_model(engine: Any, saved: dict[str, SavedSlot], saved_class: str, manifest_path: str) -> None:
+    current = {s.name: tuple(s.shape) for g in _engine_groups(engine) for s in g.layout.slots}
+    problems = [f"{n} {shape} is not in the checkpoint" for n, shape in current.items() if n not in saved]
+    problems += [f"{n} is {saved[n].shape} in the checkpoint, {shape} in the model"
+                 for n, shape in current.items() if n in saved and saved[n].shape != shape]
+    problems += [f"{n} {s.shape} is in the checkpoint, not in the model" for n, s in saved.items() if n not in current]
+    if problems:
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise CheckpointError(
+            f"{manifest_path}: the checkpoint holds a different model (saved from a {saved_class}, this engine "
+            f"wraps a {type(engine.module).__name__}; {len(problems)} mismatches): {shown}"
+        )
+
+
+def _optim_keys(group: Any, saved: dict[str, SavedSlot], manifest: dict[str, Any], manifest_path: str) -> list[str]:
+    """The element-wise optimizer state the saved groups feeding ``group`` hold (all the same)."""
+    records = manifest["groups"]
+    key_sets = set()
+    for index in sorted({saved[s.name].group_index for s in group.layout.slots}):
+        record = records[index]
+        if not record["trainable"]:
+            first = next(s.name for s in group.layout.slots if saved[s.name].group_index == index)
+            raise CheckpointError(
+                f"{manifest_path}: {first} is trainable now but was frozen when saved, so it has no "
+                "optimizer state; load with load_optimizer_states=False"
+            )
+        key_sets.add(tuple(sorted(k[len(OPTIM_PREFIX):] for k in record["tensors"] if k.startswith(OPTIM_PREFIX))))
+    if len(key_sets) > 1:
+        raise CheckpointError(f"{manifest_path}: the saved groups feeding {group.label} hold different optimizer state {sorted(key_sets)}")
+    return list(key_sets.pop()) if key_sets else []
+
+
+def _check_optimizer(engine: Any, manifest: dict[str, Any], manifest_path: str) -> None:
+    saved = manifest.get("optimizer")
+    if saved is None:
+        raise CheckpointError(f"{manifest_path}: the checkpoint has no optimizer state; load with load_optimizer_states=False")
+    inner = engine.optimizer.inner
+    if saved["class"] != type(inner).__name__:
+        raise CheckpointError(
+            f"{manifest_path}: optimizer state of {saved['class']}, but the engine's optimizer is "
+            f"{type(inner).__name__}; use the same optimizer or load with load_optimizer_states=False"
+        )
+    if len(saved["param_groups"]) != len(inner.param_groups):
+        raise CheckpointError(
+            f"{manifest_path}: {len(saved['param_groups'])} optimizer param groups saved, the engine has "
+            f"{len(inner.param_groups)}; build the optimizer with the same groups or load with load_optimizer_states=False"
+        )
+
+
+def _plan(engine: Any, load_dir: str | os.PathLike[str], tag: str | None, load_optimizer: bool) -> _Plan:
+    ckpt_dir = resolve_checkpoint_dir(load_dir, tag)
+    manifest = read_manifest(ckpt_dir)
+    manifest_path = os.path.join(ckpt_dir, MANIFEST_NAME)
+    saved = index_saved_slots(manifest["groups"])
+    _check_same_model(engine, saved, manifest["model"]["class"], manifest_path)
+    if load_optimizer:
+        _check_optimizer(engine, manifest, manifest_path)
+    plans = []
+    for group in _engine_groups(engine):
+        pieces = plan_pieces(group.layout.slots, group.shard_range, saved)
+        keys = _optim_keys(group, saved, manifest, manifest_path) if load_optimizer and group.master is not None else []
+        source = saved[group.layout.slots[0].name].group_index
+        plans.append(_GroupPlan(group, pieces, source, keys))
+    saved_buffers = {b["name"] for b in manifest["model"].get("buffers", [])}
+    buffers = [(n, b) for n, b in persistent_buffers(engine.module) if n in saved_buffers]
+    files = RankFiles(ckpt_dir, manifest)
+    _check_files(files, manifest, plans, buffers)
+    return _Plan(ckpt_dir, manifest, files, plans, load_optimizer, buffers)
+
+
+def _check_files(files: RankFiles, manifest: dict[str, Any], plans: list[_GroupPlan],
+                 buffers: list[tuple[str, torch.Tensor]]) -> None:
+    expected: dict[int, dict[str, int]] = {}
+    shard_numel = {r["group"]: r["padded_numel"] // r["world_size"] for r in manifest["groups"]}
+    for plan in plans:
+        for piece in plan.pieces:
+            wanted = expected.setdefault(piece.file_index, {})
+            for key in [PARAM_KEY] + [OPTIM_PREFIX + k for k in plan.optim_keys]:
+                wanted[tensor_name(piece.label, key)] = shard_numel[piece.label]
+    if buffers:
+        expected.setdefault(0, {}).update({BUFFER_PREFIX + n: b.numel() for n, b in buffers})
+    for index in sorted(expected):
+        files.check(index, expected[index])
+
+
+def _agree(comm: Any, local: CheckpointError | None) -> None:
+    """Every rank raises if any rank found a problem (the local error's class where there is one)."""
+    outcomes = comm.all_gather_objects(str(local) if local is not None else None)
+    errors: list[str] = []
+    for message in outcomes:
+        if message and message not in errors:
+            errors.append(message)
+    if errors:
+        kind = type(local) if local is not None else CheckpointError
+        raise kind("load_checkpoint: nothing was loaded:\n  " + "\n  ".join(errors)) from local
+
+
+def _fill(dst: torch.Tensor, pieces: list[Piece], key: str, files: RankFiles) -> None:
+    dst.zero_()  # padding is never read; see [Note: resharding by name]
+    for piece in pieces:
+        data = files.read(piece.file_index, tensor_name(piece.label, key), piece.src_lo, piece.src_hi)
+        dst[piece.dst_lo:piece.dst_hi].copy_(data)
+
+
+def _load_parameters(plan: _Plan) -> None:
+    for item in plan.groups:
+        group = item.group
+        target = group.master if group.master is not None else group.shard
+        _fill(target, item.pieces, PARAM_KEY, plan.files)
+        if group.master is not None and group.master.data_ptr() != group.shard.data_ptr():
+            group.shard.copy_(group.master)  # the compute copy is the cast of the master
+    for item in plan.groups:  # same order on every rank: these are collectives
+        item.group.gather_updated_shards()
+
+
+def _load_optimizer(engine: Any, plan: _Plan) -> None:
+    inner = engine.optimizer.inner
+    for group, hyper in zip(inner.param_groups, decode_state(plan.manifest["optimizer"]["param_groups"])):
+        group.update({k: v for k, v in hyper.items() if k != "params"})
+    records = plan.manifest["groups"]
+    for item in plan.groups:
+        master = item.group.master
+        if master is None:
+            continue
+        if not item.optim_keys:  # saved before the first optimizer step
+            inner.state.pop(master, None)
+            continue
+        state: dict[str, Any] = {}
+        source = records[item.source]
+        for key in item.optim_keys:
+            dtype = TAG_DTYPES[source["tensors"][OPTIM_PREFIX + key]]
+            state[key] = torch.zeros(master.shape, dtype=dtype, device=master.device)
+            _fill(state[key], item.pieces, OPTIM_PREFIX + key, plan.files)
+        for key, value in decode_state(source["optimizer_scalars"]).items():
+            # torch keeps Adam's 0-d "step" on the CPU (unless capturable); other tensors follow the master
+            moved = isinstance(value, torch.Tensor) and key != "step"
+            state[key] = value.to(master.device) if moved else value
+        inner.state[master] = state
+
+
+def _load_run_state(engine: Any, manifest: dict[str, Any], load_scheduler: bool) -> None:
+    scaler = engine.optimizer.loss_scaler if engine.optimizer is not None else None
+    saved_scaler = manifest.get("loss_scaler")
+    if scaler is not None and saved_scaler is not None:
+        scaler.load_state_dict(decode_state(saved_scaler["state"]))
+    elif scaler is not None or saved_scaler is not None:
+        logger.info("hf_zero: loss scaler state %s; the engine's scaler starts fresh",
+                    "absent from the checkpoint" if saved_scaler is None else "saved but the engine runs without fp16")
+    saved_scheduler = manifest.get("lr_scheduler")
+    if load_scheduler and engine.lr_scheduler is not None and saved_scheduler is not None:
+        if saved_scheduler["class"] != type(engine.lr_scheduler).__name__:
+            logger.warning("hf_zero: loading %s state into a %s", saved_scheduler["class"], type(engine.lr_scheduler).__name__)
+        engine.lr_scheduler.load_state_dict(decode_state(saved_scheduler["state"]))
+    engine.global_steps = int(manifest["global_steps"])
+    engine.micro_steps = int(manifest["micro_steps"])
+    engine.global_samples = int(manifest["global_samples"])
+    rng = manifest.get("rng") or []
+    if engine.rank < len(rng):
+        restore_rng(rng[engine.rank])
+    elif rng:
+        logger.info("hf_zero: rank %d has no saved RNG state (saved with %d ranks); it keeps its own", engine.rank, len(rng))
+
+
+def load_checkpoint(
+    engine: Any,
+    load_dir: str | os.PathLike[str],
+    tag: str | None = None,
+    load_optimizer_states: bool = True,
+    load_lr_scheduler_states: bool = True,
+    load_module_only: bool = False,
+) -> tuple[str, Any]:
+    """Load a checkpoint saved at any world size and stage; see [Note: checked, then applied].
+
+    ``tag`` defaults to the one ``load_dir/latest`` names. ``load_module_only`` loads the
+    parameters (and buffers) only: optimizer, scheduler, loss scaler, counters and RNG keep
+    their current state. Returns ``(checkpoint directory, client_state)``. Every rank must call
+    it; a missing, truncated or mismatched checkpoint raises :class:`CheckpointError` on every
+    rank and changes nothing.
+    """
+    load_optimizer = load_optimizer_states and not load_module_only and engine.optimizer is not None
+    plan, local_error = None, None
+    try:
+        plan = _plan(engine, load_dir, tag, load_optimizer)
+    except CheckpointError as exc:
+        local_error = exc
+    _agree(engine.comm, local_error)
+    if plan is None:  # unreachable: _agree raised; keeps type checkers honest
+        raise CheckpointError("load_checkpoint: no plan")
+    try:
+        with torch.no_grad():
+            _load_parameters(plan)
+            for name, buf in plan.buffers:
+                buf.copy_(plan.files.read(0, BUFFER_PREFIX + name))
+            if load_optimizer:
+                _load_optimizer(engine, plan)
+        if not load_module_only:
+            _load_run_state(engine, plan.manifest, load_lr_scheduler_states)
+    finally:
+        plan.files.close()
+    return plan.ckpt_dir, plan.manifest.get("client_state", {})

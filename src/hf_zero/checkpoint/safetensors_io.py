@@ -1,0 +1,131 @@
+"""Streaming safetensors files: written tensor by tensor, read range by range.
+
+[Note: streamed safetensors]
+``safetensors.torch.save_file`` serialises every tensor into one in-memory buffer before it
+writes, so a file costs twice its size in RAM. A safetensors file is an 8-byte little-endian
+header length, a JSON header (dtype, shape and byte range of each tensor) and the raw bytes back
+to back; when every tensor's dtype and shape are known up front the header can be written first
+and each tensor's bytes appended as it is produced. Saving then holds no copy of the rank's
+state, and export holds one parameter at a time. Files written here are read back with
+``safetensors.safe_open`` (``get_slice`` reads only the requested range).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+
+DTYPE_TAGS: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}
+TAG_DTYPES = {tag: dtype for dtype, tag in DTYPE_TAGS.items()}
+_HEADER_ALIGNMENT = 8  # safetensors pads its own headers with spaces to this boundary
+
+
+def element_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a file to write: known before its data exists."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    produce: Callable[[], torch.Tensor]  # called once, when the entry's bytes are written
+
+    @property
+    def numel(self) -> int:
+        count = 1
+        for dim in self.shape:
+            count *= dim
+        return count
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * element_bytes(self.dtype)
+
+
+def encode_header(entries: Iterable[TensorEntry], metadata: dict[str, str] | None) -> bytes:
+    header: dict[str, object] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offset = 0
+    for entry in entries:
+        if entry.dtype not in DTYPE_TAGS:
+            raise TypeError(f"safetensors cannot store {entry.name} of dtype {entry.dtype}")
+        header[entry.name] = {
+            "dtype": DTYPE_TAGS[entry.dtype], "shape": list(entry.shape),
+            "data_offsets": [offset, offset + entry.nbytes],
+        }
+        offset += entry.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % _HEADER_ALIGNMENT)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def write_tensor_bytes(handle, entry: TensorEntry, tensor: torch.Tensor) -> None:
+    if tensor.dtype != entry.dtype or tuple(tensor.shape) != entry.shape:
+        raise ValueError(
+            f"{entry.name}: produced {tensor.dtype} {tuple(tensor.shape)}, the header promised "
+            f"{entry.dtype} {entry.shape}"
+        )
+    flat = tensor.detach().reshape(-1).contiguous().cpu()
+    if flat.numel():
+        handle.write(memoryview(flat.view(torch.uint8).numpy()))
+
+
+def write_safetensors(path: str, entries: list[TensorEntry], metadata: dict[str, str] | None = None) -> int:
+    """Write ``entries`` to ``path`` one tensor at a time (see [Note: streamed safetensors]),
+    flushed to disk before returning. Returns the file's size in bytes."""
+    names = [e.name for e in entries]
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate tensor names in {path}")
+    with open(path, "wb") as handle:
+        handle.write(encode_header(entries, metadata))
+        for entry in entries:
+            write_tensor_bytes(handle, entry, entry.produce())
+        handle.flush()
+        os.fsync(handle.fileno())
+    return os.path.getsize(path)
+
+
+def fsync_dir(path: str) -> None:
+    """Make a rename inside ``path`` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def read_header(path: str) -> tuple[dict[str, dict], dict[str, str]]:
+    """The tensors (name -> dtype, shape, data_offsets) and the metadata of a safetensors file,
+    checked against the file's size so a truncated file is reported, not half-read."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as handle:
+        head = handle.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{size} bytes: too short for a safetensors header")
+        (header_len,) = struct.unpack("<Q", head)
+        if 8 + header_len > size:
+            raise ValueError(f"header of {header_len} bytes runs past the end of the file ({size} bytes)")
+        header = json.loads(handle.read(header_len))
+    metadata = header.pop("__metadata__", None) or {}
+    end = max((t["data_offsets"][1] for t in header.values()), default=0)
+    if 8 + header_len + end != size:
+        raise ValueError(f"{size} bytes, but its header describes {8 + header_len + end}: the file is truncated or padded")
+    return header, metadata

@@ -1,0 +1,268 @@
+"""``save_checkpoint``: one safetensors file per rank, a JSON manifest, ``latest``; atomic.
+
+[Note: atomic save]
+A checkpoint must never look complete unless it is, and a failed save must never damage the
+checkpoint before it. The save runs in four rounds; each ends with an exchange of every rank's
+outcome (``all_gather_objects``, which is also the barrier), so all ranks raise together and no
+rank is left waiting in a collective:
+
+1. refuse early: the tag, the client state (JSON), the scheduler state and every tensor to write
+   are checked on every rank before anything touches the disk;
+2. rank 0 creates ``<save_dir>/.<tag>.tmp-<save_id>/``;
+3. every data rank streams its file into it (see [Note: streamed safetensors]) and fsyncs it;
+4. rank 0 writes ``manifest.json`` (with each file's size), renames the directory to
+   ``<save_dir>/<tag>/`` (an existing tag is moved aside first and removed after), then writes
+   ``latest`` through a temporary file and ``os.replace``.
+
+A failure in rounds 2-4 removes the temporary directory; a crash leaves at most a hidden
+``.<tag>.tmp-*`` directory, which loading ignores. ``save_dir`` must be one filesystem that
+every rank sees (a shared mount on several nodes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+
+from hf_zero.checkpoint.errors import CheckpointError
+from hf_zero.checkpoint.manifest import (
+    BUFFER_PREFIX, FORMAT, FORMAT_VERSION, LATEST_NAME, MANIFEST_NAME, OPTIM_PREFIX, PARAM_KEY,
+    capture_rng, check_plain_json, check_tag, describe_model, encode_state, persistent_buffers,
+    rank_file_name, tensor_name,
+)
+from hf_zero.checkpoint.safetensors_io import DTYPE_TAGS, TensorEntry, fsync_dir, write_safetensors
+
+
+@dataclass
+class _Prepared:
+    """Everything a rank will write, gathered before the disk is touched."""
+
+    entries: list[TensorEntry] = field(default_factory=list)
+    manifest: dict[str, Any] = field(default_factory=dict)
+    data_world_size: int = 1
+
+
+def default_tag(engine: Any) -> str:
+    """DeepSpeed's default tag."""
+    return f"global_step{engine.global_steps}"
+
+
+def _groups(engine: Any) -> list[Any]:
+    return [g for u in engine.units for g in u.groups]
+
+
+def _entry(name: str, tensor: torch.Tensor) -> TensorEntry:
+    if tensor.dtype not in DTYPE_TAGS:
+        raise CheckpointError(f"{name}: dtype {tensor.dtype} cannot be stored in safetensors")
+    return TensorEntry(name, tensor.dtype, tuple(tensor.shape), lambda t=tensor: t)
+
+
+def _optimizer_state(engine: Any, group: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The inner optimizer's state of a group's master, split in element-wise tensors (sharded
+    like the master, written to the rank file) and the rest (small, written to the manifest)."""
+    if engine.optimizer is None or group.master is None:
+        return {}, {}
+    state = engine.optimizer.inner.state.get(group.master, {})
+    elementwise, scalars = {}, {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == group.master.shape:
+            elementwise[key] = value
+        else:
+            scalars[key] = value
+    return elementwise, scalars
+
+
+def _group_records(engine: Any) -> tuple[list[TensorEntry], list[dict[str, Any]]]:
+    entries, records = [], []
+    for group, layout in zip(_groups(engine), engine.layout()):
+        data = group.master if group.master is not None else group.shard
+        elementwise, scalars = _optimizer_state(engine, group)
+        label = group.label
+        tensors = {PARAM_KEY: DTYPE_TAGS.get(data.dtype, str(data.dtype))}
+        entries.append(_entry(tensor_name(label, PARAM_KEY), data))
+        for key, value in elementwise.items():
+            entries.append(_entry(tensor_name(label, OPTIM_PREFIX + key), value))
+            tensors[OPTIM_PREFIX + key] = DTYPE_TAGS.get(value.dtype, str(value.dtype))
+        record = dict(layout, tensors=tensors,
+                      optimizer_scalars=encode_state(scalars, f"optimizer state of {label}"))
+        records.append(record)
+    return entries, records
+
+
+def _run_state(engine: Any) -> dict[str, Any]:
+    optimizer = engine.optimizer
+    scheduler = engine.lr_scheduler
+    scaler = optimizer.loss_scaler if optimizer is not None else None
+    hyper = ([{k: v for k, v in g.items() if k != "params"} for g in optimizer.inner.param_groups]
+             if optimizer is not None else None)
+    return {
+        "optimizer": None if optimizer is None else {
+            "class": type(optimizer.inner).__name__,
+            "param_groups": encode_state(hyper, "optimizer.param_groups"),
+        },
+        "lr_scheduler": None if scheduler is None or not hasattr(scheduler, "state_dict") else {
+            "class": type(scheduler).__name__,
+            "state": encode_state(scheduler.state_dict(), "lr_scheduler.state_dict()"),
+        },
+        "loss_scaler": None if scaler is None else {
+            "class": type(scaler).__name__, "state": encode_state(scaler.state_dict(), "loss_scaler.state_dict()"),
+        },
+    }
+
+
+def _prepare(engine: Any, tag: str, client_state: Any) -> _Prepared:
+    check_tag(tag)
+    check_plain_json(client_state)
+    entries, records = _group_records(engine)
+    data_world = records[0]["world_size"] if records else 1  # 1 under stage 0: one copy is enough
+    if engine.rank == 0:
+        entries += [_entry(BUFFER_PREFIX + name, buf) for name, buf in persistent_buffers(engine.module)]
+    from hf_zero import __version__
+
+    manifest = {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "tag": tag,
+        "hf_zero_version": __version__, "torch_version": torch.__version__,
+        "world_size": engine.world_size, "data_world_size": data_world, "stage": engine.stage,
+        "compute_dtype": str(engine.config.compute_dtype).removeprefix("torch."),
+        "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
+        "global_samples": engine.global_samples,
+        "config": engine.config.to_dict(),
+        "model": describe_model(engine.module),
+        "groups": records,
+        **_run_state(engine),
+        "client_state": json.loads(json.dumps(client_state)),
+    }
+    return _Prepared(entries if engine.rank < data_world else [], manifest, data_world)
+
+
+def _exchange(comm: Any, outcome: dict[str, Any]) -> list[dict[str, Any]]:
+    return comm.all_gather_objects(outcome)  # type: ignore[return-value]
+
+
+def _raise_if_failed(outcomes: list[dict[str, Any]], what: str, local: BaseException | None) -> None:
+    errors: list[str] = []
+    for rank, outcome in enumerate(outcomes):
+        message = outcome.get("error")
+        if message and message not in errors:
+            errors.append(message if len(outcomes) == 1 else f"rank {rank}: {message}")
+    if errors:
+        raise CheckpointError(f"{what}:\n  " + "\n  ".join(errors)) from local
+
+
+def _write_rank_file(path: str, entries: list[TensorEntry], metadata: dict[str, str]) -> int:
+    """One rank's file (a separate function so a test can make it fail half-way)."""
+    return write_safetensors(path, entries, metadata)
+
+
+def _write_json(path: str, data: Any) -> None:
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(data, handle, indent=1)
+        handle.write("\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _publish(save_dir: str, tmp_dir: str, tag: str, save_id: str) -> str:
+    """Rename the finished directory into place and point ``latest`` at it (rank 0)."""
+    final = os.path.join(save_dir, tag)
+    aside = None
+    if os.path.lexists(final):  # re-saving a tag: keep the old one until the new one is in place
+        aside = os.path.join(save_dir, f".{tag}.old-{save_id}")
+        os.rename(final, aside)
+    os.rename(tmp_dir, final)
+    fsync_dir(save_dir)
+    latest_tmp = os.path.join(save_dir, f".{LATEST_NAME}.tmp-{save_id}")
+    with open(latest_tmp, "w", encoding="utf-8") as handle:
+        handle.write(tag)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(latest_tmp, os.path.join(save_dir, LATEST_NAME))
+    fsync_dir(save_dir)
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+    return final
+
+
+def save_checkpoint(engine: Any, save_dir: str | os.PathLike[str], tag: str | None = None,
+                    client_state: Any = None) -> str:
+    """Write ``save_dir/<tag>/`` (default tag ``global_step<N>``) and ``save_dir/latest``; see
+    [Note: atomic save]. Every rank must call it. Returns the checkpoint directory."""
+    comm = engine.comm
+    save_dir = os.path.abspath(os.fspath(save_dir))
+    tag = default_tag(engine) if tag is None else str(tag)
+    client_state = {} if client_state is None else client_state
+    prepared, local_error = None, None
+    try:
+        prepared = _prepare(engine, tag, client_state)
+    except CheckpointError as exc:
+        local_error = exc
+    outcomes = _exchange(comm, {"error": str(local_error) if local_error else None, "tag": tag, "rng": capture_rng()})
+    _raise_if_failed(outcomes, f"save_checkpoint({save_dir!r}, tag={tag!r}) refused; nothing was written", local_error)
+    tags = sorted({o["tag"] for o in outcomes})
+    if len(tags) > 1:
+        raise CheckpointError(f"save_checkpoint: ranks passed different tags {tags}; pass the same tag on every rank")
+    prepared = cast(_Prepared, prepared)  # _prepare succeeded on every rank
+    rng_states = [o["rng"] for o in outcomes]
+    tmp_dir, save_id = _make_tmp_dir(comm, save_dir, tag)
+    try:
+        files = _write_files(engine, prepared, tmp_dir, tag, save_id)
+        return _finish(engine, prepared, save_dir, tmp_dir, tag, save_id, files, rng_states)
+    except BaseException:
+        if comm.rank == 0:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+
+
+def _make_tmp_dir(comm: Any, save_dir: str, tag: str) -> tuple[str, str]:
+    save_id, local_error = None, None
+    if comm.rank == 0:
+        save_id = secrets.token_hex(8)
+        try:
+            os.makedirs(save_dir, exist_ok=True)
+            os.mkdir(os.path.join(save_dir, f".{tag}.tmp-{save_id}"))
+        except OSError as exc:
+            local_error = exc
+    outcomes = _exchange(comm, {"error": f"creating a directory in {save_dir}: {local_error}" if local_error else None,
+                                "save_id": save_id})
+    _raise_if_failed(outcomes, "save_checkpoint failed; nothing was written", local_error)
+    save_id = outcomes[0]["save_id"]
+    return os.path.join(save_dir, f".{tag}.tmp-{save_id}"), save_id
+
+
+def _write_files(engine: Any, prepared: _Prepared, tmp_dir: str, tag: str, save_id: str) -> list[dict[str, Any]]:
+    count = prepared.data_world_size
+    name = rank_file_name(engine.rank, count) if engine.rank < count else None
+    nbytes, local_error = None, None
+    if name is not None:
+        path = os.path.join(tmp_dir, name)
+        metadata = {"format": "hf_zero", "save_id": save_id, "tag": tag, "rank": str(engine.rank)}
+        try:
+            nbytes = _write_rank_file(path, prepared.entries, metadata)
+        except Exception as exc:  # a full disk, a lost mount: every rank must hear of it
+            local_error = exc
+    message = f"writing {os.path.join(tmp_dir, name or '')}: {type(local_error).__name__}: {local_error}" if local_error else None
+    outcomes = _exchange(engine.comm, {"error": message, "name": name, "bytes": nbytes})
+    _raise_if_failed(outcomes, "save_checkpoint failed while writing rank files; the previous checkpoint and "
+                     "'latest' are untouched and the partial files were removed", local_error)
+    return [{"name": o["name"], "bytes": o["bytes"]} for o in outcomes[:count]]
+
+
+def _finish(engine: Any, prepared: _Prepared, save_dir: str, tmp_dir: str, tag: str, save_id: str,
+            files: list[dict[str, Any]], rng_states: list[Any]) -> str:
+    final, local_error = os.path.join(save_dir, tag), None
+    if engine.rank == 0:
+        manifest = dict(prepared.manifest, save_id=save_id, files=files, rng=rng_states)
+        try:
+            _write_json(os.path.join(tmp_dir, MANIFEST_NAME), manifest)
+            final = _publish(save_dir, tmp_dir, tag, save_id)
+        except OSError as exc:
+            local_error = exc
+    outcomes = _exchange(engine.comm, {"error": f"publishing {final}: {local_error}" if local_error else None})
+    _raise_if_failed(outcomes, "save_checkpoint failed while publishing; the previous 'latest' is untouched", local_error)
+    return final

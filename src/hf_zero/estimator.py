@@ -1,0 +1,269 @@
+"""Per-rank memory for model states under ZeRO stages 0-3, with and without offload.
+
+The figures come from the model's real flat layout (the same ``plan_units`` and
+``build_flat_layout`` the engine runs, on a meta-device model when only a config is given), so
+they include padding and stage-3 persistent parameters, and they equal
+``engine.memory_report()`` after an optimizer step (tests/distributed/test_checkpoint.py checks
+it for stages 1-3, fp32 and bf16, world sizes 2 and 3).
+
+[Note: memory formulas]
+Ψ parameters, Ψ_t of them trainable, N ranks (``gpus_per_node x nodes``), c bytes per compute
+element (4 fp32, 2 bf16/fp16), Adam's two fp32 moments (8 bytes). Per rank, after a step:
+
+============  ==========================  ================  ================  ===========
+stage         compute params              gradients         fp32 master       Adam state
+============  ==========================  ================  ================  ===========
+0             c Ψ                         c Ψ_t + 4 Ψ_t [1]  4 Ψ_t [2]         8 Ψ_t
+1, 2          c Ψ                         4 Ψ_t / N          4 Ψ_t / N [2]     8 Ψ_t / N
+3             c Ψ / N + c Ψ_p (1 - 1/N)   4 Ψ_t / N          4 Ψ_t / N [2]     8 Ψ_t / N
+============  ==========================  ================  ================  ===========
+
+[1] the fp32 copy only when c = 2. [2] zero when c = 4: the fp32 master *is* the parameter
+(see [Note: master aliasing] in engine/flat_group.py). Ψ_p: stage-3 persistent parameters (at
+or under ``stage3_param_persistence_threshold`` elements each), kept whole on every rank.
+Every Ψ is rounded up per flat group to a multiple of ``N x 4`` elements (padding).
+
+So fp32 holds 16Ψ (stage 0), 4Ψ + 12Ψ/N (stages 1-2), 16Ψ/N (stage 3); bf16 holds 20Ψ,
+2Ψ + 16Ψ/N and 18Ψ/N. DeepSpeed's estimators assume 16-bit compute with a separate fp32 master
+and count 2Ψ of 16-bit gradients in stages 1-2 (``4Ψ + 16Ψ/N``); hf_zero reduces gradients into
+a fp32 shard and frees the full 16-bit buffer after each reduction, so that 2Ψ is working memory
+here, not a resident state, and with fp32 compute no master copy exists at all.
+
+Working memory (transient, on the device, an estimate not checked against a run): stage 1 holds
+the full gradients c Ψ_t until the accumulation boundary; stages 2-3 hold the full gradients of
+the root unit and of at most two units in flight, c (R_t + 2 U_t); stage 3 also gathers the root
+unit and two units (the current one and the prefetched one), c (R + 2 U), where U is the largest
+unit and R the root unit (embeddings, heads and the other parameters outside the repeated blocks).
+
+Offload (the placements of DESIGN.md's offload section): ``offload_optimizer=cpu`` moves the fp32
+gradient shard, the fp32 master and the Adam state to the host, 16 Ψ_t / N bytes per rank
+(with c = 4 the host needs its own master); the device keeps the compute parameters.
+``offload_param=cpu`` (stage 3) also keeps the compute shards on the host, c (Ψ - Ψ_p) / N, and
+the device holds only the persistent parameters and the working set.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from hf_zero.partition import ROOT_UNIT_NAME, build_flat_layout, is_persistent, plan_units
+
+COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+ADAM_STATE_BYTES = 8
+DEFAULT_PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's stage3_param_persistence_threshold
+CATEGORIES = ("compute_params", "gradients", "fp32_master", "optimizer_state")
+
+
+@dataclass(frozen=True)
+class GroupStats:
+    """One flat group of the engine's layout, as numbers."""
+
+    unit: str
+    trainable: bool
+    persistent: bool
+    numel: int
+    padded_numel: int
+    world_size: int  # of the layout: 1 under stage 0
+
+    @property
+    def shard_numel(self) -> int:
+        return self.padded_numel // self.world_size
+
+
+@dataclass
+class StateEstimate:
+    """Model-state bytes of one rank for one stage and offload choice."""
+
+    stage: int
+    offload_optimizer: bool
+    offload_param: bool
+    world_size: int
+    gpus_per_node: int
+    device_bytes: int  # resident between steps
+    working_bytes: int  # transient on top, during forward/backward
+    host_bytes: int  # per rank
+    breakdown: dict[str, int] = field(default_factory=dict)  # the no-offload categories
+
+    @property
+    def host_bytes_per_node(self) -> int:
+        return self.host_bytes * self.gpus_per_node
+
+
+def group_stats(model: nn.Module, world_size: int, stage: int,
+                persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD,
+                wrap_modules: Sequence[str] | None = None) -> list[GroupStats]:
+    """The engine's flat groups for ``model`` (one optimizer param group assumed): the same
+    rules as ``ZeroUnit``, without allocating anything."""
+    threshold = persistence_threshold if stage == 3 else 0
+    layout_world = 1 if stage == 0 else world_size
+    stats = []
+    for spec in plan_units(model, wrap_modules).units:
+        buckets: dict[tuple[bool, bool], list[tuple[str, nn.Parameter]]] = {}
+        for name, param in spec.params:
+            kind = (param.requires_grad, is_persistent(param, stage, threshold))
+            buckets.setdefault(kind, []).append((name, param))
+        for (trainable, persistent), named in buckets.items():
+            layout = build_flat_layout(named, layout_world)
+            stats.append(GroupStats(spec.name, trainable, persistent, layout.numel, layout.padded_numel, layout_world))
+    return stats
+
+
+def _state_bytes(groups: Iterable[GroupStats], stage: int, compute_bytes: int) -> dict[str, int]:
+    mem = dict.fromkeys(CATEGORIES, 0)
+    for g in groups:
+        sharded = stage == 3 and not g.persistent
+        mem["compute_params"] += (g.shard_numel if sharded else g.padded_numel) * compute_bytes
+        if not g.trainable:
+            continue
+        if stage == 0:
+            mem["gradients"] += g.padded_numel * compute_bytes + (g.padded_numel * 4 if compute_bytes != 4 else 0)
+        else:
+            mem["gradients"] += g.shard_numel * 4
+        mem["fp32_master"] += g.shard_numel * 4 if compute_bytes != 4 else 0
+        mem["optimizer_state"] += g.shard_numel * ADAM_STATE_BYTES
+    return mem
+
+
+def model_state_bytes(model: nn.Module, world_size: int, stage: int, dtype: str = "bf16",
+                      persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD,
+                      wrap_modules: Sequence[str] | None = None) -> dict[str, int]:
+    """What ``engine.memory_report()`` shows for these categories after an optimizer step with
+    Adam (see [Note: memory formulas])."""
+    groups = group_stats(model, world_size, stage, persistence_threshold, wrap_modules)
+    return _state_bytes(groups, stage, _compute_bytes(dtype))
+
+
+def _compute_bytes(dtype: str) -> int:
+    if dtype not in COMPUTE_BYTES:
+        raise ValueError(f"dtype {dtype!r}: expected one of {sorted(COMPUTE_BYTES)}")
+    return COMPUTE_BYTES[dtype]
+
+
+def _working_bytes(groups: list[GroupStats], stage: int, compute_bytes: int) -> int:
+    """Transient device bytes during forward/backward (see [Note: memory formulas])."""
+    units: dict[str, tuple[int, int]] = {}  # unit -> (trainable padded numel, gathered padded numel)
+    for g in groups:
+        trainable, gathered = units.get(g.unit, (0, 0))
+        units[g.unit] = (trainable + g.padded_numel * g.trainable, gathered + g.padded_numel * (not g.persistent))
+    root_trainable, root_gathered = units.pop(ROOT_UNIT_NAME, (0, 0))
+    largest_trainable = max((u[0] for u in units.values()), default=0)
+    largest_gathered = max((u[1] for u in units.values()), default=0)
+    if stage == 1:
+        return (root_trainable + sum(u[0] for u in units.values())) * compute_bytes
+    grads = (root_trainable + 2 * largest_trainable) * compute_bytes
+    if stage == 2:
+        return grads
+    if stage == 3:
+        return grads + (root_gathered + 2 * largest_gathered) * compute_bytes
+    return 0
+
+
+def _estimate(model: nn.Module, world: int, gpus_per_node: int, stage: int, compute_bytes: int,
+              threshold: int, wrap_modules: Sequence[str] | None, offload_optimizer: bool,
+              offload_param: bool) -> StateEstimate:
+    groups = group_stats(model, world, stage, threshold, wrap_modules)
+    mem = _state_bytes(groups, stage, compute_bytes)
+    device, host = sum(mem.values()), 0
+    if offload_optimizer:
+        trainable_shard = sum(g.shard_numel for g in groups if g.trainable)
+        host += trainable_shard * (4 + 4 + ADAM_STATE_BYTES)
+        device = mem["compute_params"]
+    if offload_param:
+        sharded = sum(g.shard_numel for g in groups if not g.persistent) * compute_bytes
+        host += sharded
+        device -= sharded
+    return StateEstimate(stage, offload_optimizer, offload_param, world, gpus_per_node, device,
+                         _working_bytes(groups, stage, compute_bytes), host, mem)
+
+
+def estimate_model_states(
+    model: nn.Module | str | os.PathLike[str] | Mapping[str, Any],
+    num_gpus_per_node: int = 1,
+    num_nodes: int = 1,
+    dtype: str = "bf16",
+    stages: Sequence[int] = (1, 2, 3),
+    persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD,
+    wrap_modules: Sequence[str] | None = None,
+) -> list[StateEstimate]:
+    """Per-rank device and host bytes for model states under each stage in ``stages``, without
+    offload, with ``offload_optimizer=cpu`` (stages 1-3) and with both offloads (stage 3); see
+    [Note: memory formulas]. ``model`` is a module (any device, meta included), a Hugging Face
+    config dict, or a path / Hub name of a config (built on the meta device: nothing is allocated).
+    """
+    if num_gpus_per_node < 1 or num_nodes < 1:
+        raise ValueError(f"num_gpus_per_node and num_nodes must be >= 1, got {num_gpus_per_node}, {num_nodes}")
+    module = model if isinstance(model, nn.Module) else meta_model(model)
+    world = num_gpus_per_node * num_nodes
+    compute_bytes = _compute_bytes(dtype)
+    estimates = []
+    for stage in stages:
+        choices = [(False, False)] + ([(True, False)] if stage > 0 else []) + ([(True, True)] if stage == 3 else [])
+        for offload_optimizer, offload_param in choices:
+            estimates.append(_estimate(module, world, num_gpus_per_node, stage, compute_bytes,
+                                       persistence_threshold, wrap_modules, offload_optimizer, offload_param))
+    return estimates
+
+
+def meta_model(source: str | os.PathLike[str] | Mapping[str, Any]) -> nn.Module:
+    """A Hugging Face model built from its config on the meta device (shapes only)."""
+    import transformers
+    from transformers import AutoConfig
+
+    if isinstance(source, Mapping):
+        values = dict(source)
+        config = AutoConfig.for_model(values.pop("model_type"), **values)
+    elif os.path.isfile(os.fspath(source)):
+        config_dict = transformers.PretrainedConfig.get_config_dict(os.fspath(source))[0]
+        config = AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
+    else:
+        config = AutoConfig.from_pretrained(os.fspath(source))
+    classes = [getattr(transformers, name, None) for name in (getattr(config, "architectures", None) or [])]
+    classes += [transformers.AutoModelForCausalLM, transformers.AutoModel]
+    last_error: Exception | None = None
+    with torch.device("meta"):
+        for cls in classes:
+            if cls is None:
+                continue
+            try:
+                build = cls.from_config if hasattr(cls, "from_config") else cls._from_config
+                return build(config)
+            except (ValueError, KeyError) as error:
+                last_error = error
+    raise ValueError(f"no transformers model class builds config {type(config).__name__}: {last_error}")
+
+
+def _human(nbytes: int) -> str:
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes} B"
+
+
+def format_table(estimates: list[StateEstimate]) -> str:
+    """The estimates as a text table, one row per stage and offload choice."""
+    header = ("stage", "offload_optimizer", "offload_param", "device/rank", "+working", "host/rank", "host/node")
+    rows = [header] + [
+        (str(e.stage), "cpu" if e.offload_optimizer else "none", "cpu" if e.offload_param else "none",
+         _human(e.device_bytes), _human(e.working_bytes), _human(e.host_bytes), _human(e.host_bytes_per_node))
+        for e in estimates
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = [" | ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def describe(module: nn.Module, world_size: int, wrap_modules: Sequence[str] | None = None) -> str:
+    """One line: parameter counts and the unit sizes the working memory depends on."""
+    total = sum(p.numel() for p in module.parameters())
+    trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    plan = plan_units(module, wrap_modules)
+    units = [u.numel for u in plan.units if u.name != ROOT_UNIT_NAME]
+    return (f"{type(module).__name__}: {total / 1e6:.2f}M parameters ({trainable / 1e6:.2f}M trainable), "
+            f"{len(units)} units of up to {max(units, default=0) / 1e6:.2f}M, root unit "
+            f"{plan.root.numel / 1e6:.2f}M; {world_size} ranks")

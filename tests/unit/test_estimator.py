@@ -1,0 +1,118 @@
+"""The memory estimator against hand calculations and the formulas of its docstring.
+
+(tests/distributed/test_checkpoint.py checks it against ``memory_report()`` of real runs.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from torch import nn
+
+from hf_zero.estimator import (
+    estimate_model_states, format_table, group_stats, meta_model, model_state_bytes,
+)
+
+
+class Toy(nn.Module):
+    """Three 110-element units and a 33-element root unit (no _no_split_modules: the ModuleList
+    children become units)."""
+
+    def __init__(self, bias: bool = True, width: int = 10, depth: int = 3, head: bool = True) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(width, width, bias=bias) for _ in range(depth)])
+        self.head = nn.Linear(width, 3) if head else None
+
+
+def test_hand_calculation_stage3_fp32_world2():
+    # 110 -> padded to 112 (a multiple of world 2 x alignment 4), shard 56; root 33 -> 40, shard 20
+    assert model_state_bytes(Toy(), world_size=2, stage=3, dtype="fp32", persistence_threshold=0) == {
+        "compute_params": (3 * 56 + 20) * 4, "gradients": (3 * 56 + 20) * 4,
+        "fp32_master": 0, "optimizer_state": (3 * 56 + 20) * 8}
+
+
+def test_hand_calculation_stage1_bf16_world2():
+    assert model_state_bytes(Toy(), world_size=2, stage=1, dtype="bf16") == {
+        "compute_params": (3 * 112 + 40) * 2, "gradients": (3 * 56 + 20) * 4,
+        "fp32_master": (3 * 56 + 20) * 4, "optimizer_state": (3 * 56 + 20) * 8}
+
+
+def test_hand_calculation_stage0_bf16_keeps_everything_whole():
+    padded = 3 * 112 + 36  # one shard: padded to multiples of 4 only
+    assert model_state_bytes(Toy(), world_size=4, stage=0, dtype="bf16") == {
+        "compute_params": padded * 2, "gradients": padded * (2 + 4), "fp32_master": padded * 4,
+        "optimizer_state": padded * 8}
+
+
+def test_persistent_parameters_stay_whole_under_stage3():
+    # biases (10, 3 elements) are at or under the threshold: kept whole, in their own groups
+    mem = model_state_bytes(Toy(), world_size=2, stage=3, dtype="fp32", persistence_threshold=10)
+    weights_shard, bias_full, bias_shard = 3 * 52 + 16, 3 * 16 + 8, 3 * 8 + 4
+    assert mem["compute_params"] == (weights_shard + bias_full) * 4
+    assert mem["optimizer_state"] == (weights_shard + bias_shard) * 8
+    kinds = {(g.unit, g.persistent) for g in group_stats(Toy(), 2, 3, persistence_threshold=10)}
+    assert ("layers.0", True) in kinds and ("<root>", True) in kinds
+
+
+def test_frozen_parameters_have_no_gradient_or_optimizer_state():
+    model = Toy()
+    model.layers[0].requires_grad_(False)
+    mem = model_state_bytes(model, world_size=2, stage=2, dtype="fp32")
+    assert mem["optimizer_state"] == (2 * 56 + 20) * 8 and mem["compute_params"] == (3 * 112 + 40) * 4
+
+
+@pytest.mark.parametrize("stage,dtype,per_psi", [
+    (0, "fp32", lambda n: 16), (0, "bf16", lambda n: 20),
+    (1, "fp32", lambda n: 4 + 12 / n), (2, "bf16", lambda n: 2 + 16 / n),
+    (3, "fp32", lambda n: 16 / n), (3, "bf16", lambda n: 18 / n),
+])
+@pytest.mark.parametrize("world", [2, 4])
+def test_docstring_formulas_hold_exactly_without_padding(stage, dtype, per_psi, world):
+    model = Toy(bias=False, width=8, depth=4, head=False)  # 4 units of 64 elements: no padding
+    psi = 4 * 64
+    total = sum(model_state_bytes(model, world, stage, dtype, persistence_threshold=0).values())
+    assert total == per_psi(world) * psi
+
+
+def test_offload_moves_master_gradients_and_adam_state_to_the_host():
+    rows = estimate_model_states(Toy(), num_gpus_per_node=2, dtype="fp32", stages=(3,), persistence_threshold=0)
+    assert [(r.offload_optimizer, r.offload_param) for r in rows] == [(False, False), (True, False), (True, True)]
+    shard, none, opt, both = 3 * 56 + 20, rows[0], rows[1], rows[2]
+    assert none.device_bytes == shard * 16 and none.host_bytes == 0
+    assert opt.device_bytes == shard * 4 and opt.host_bytes == shard * 16
+    assert both.device_bytes == 0 and both.host_bytes == shard * 20
+    assert both.host_bytes_per_node == 2 * both.host_bytes
+    # working set: root gradients + two units' gradients, root + two units gathered
+    assert none.working_bytes == (40 + 2 * 112) * 4 * 2
+
+
+def test_stage1_and_2_rows_and_the_table():
+    rows = estimate_model_states(Toy(), num_gpus_per_node=4, num_nodes=2, dtype="bf16", stages=(1, 2))
+    assert [(r.stage, r.offload_optimizer) for r in rows] == [(1, False), (1, True), (2, False), (2, True)]
+    assert all(r.world_size == 8 for r in rows)
+    table = format_table(rows)
+    assert table.splitlines()[0].split(" | ")[0].strip() == "stage" and len(table.splitlines()) == 6
+    assert "host/node" in table
+
+
+def test_a_config_dict_builds_on_meta_and_counts_the_same(tmp_path):
+    from tests.tiny_models import tiny_llama
+
+    real = tiny_llama()
+    config = json.loads(real.config.to_json_string(use_diff=False))
+    skeleton = meta_model(config)
+    assert next(skeleton.parameters()).is_meta
+    for stage in (1, 3):
+        assert (model_state_bytes(skeleton, 3, stage, "bf16", persistence_threshold=0)
+                == model_state_bytes(real, 3, stage, "bf16", persistence_threshold=0))
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    from_file = meta_model(tmp_path / "config.json")
+    from_dir = meta_model(tmp_path)
+    assert sum(p.numel() for p in from_file.parameters()) == sum(p.numel() for p in from_dir.parameters())
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="dtype"):
+        model_state_bytes(Toy(), 2, 1, dtype="int8")
+    with pytest.raises(ValueError, match=">= 1"):
+        estimate_model_states(Toy(), num_gpus_per_node=0)
