@@ -33,15 +33,20 @@ def _load_and_compare(model_dirs: dict[str, str], stage: int) -> dict[str, Any]:
         cls = getattr(transformers, open(os.path.join(path, "class.txt")).read())
         lazy = cls.from_pretrained(path)
         on_meta = all(p.is_meta for p in lazy.parameters())
-        engine, _, _, _ = hf_zero.initialize(model=lazy, config=live)
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+        engine, _, _, _ = hf_zero.initialize(model=lazy, config=config)
         engine.eval()
         with torch.no_grad():
             logits = engine(input_ids=ids).logits
+        engine.train()  # a training step too: backward re-gathers into the loaded parameters
+        loss = (engine(input_ids=ids, labels=ids) if kind != "bert" else engine(input_ids=ids, labels=ids[:, 0] % 3)).loss
+        engine.backward(loss)
+        engine.step()
         del live
         plain = cls.from_pretrained(path).eval()  # no live config: the normal path
         with torch.no_grad():
             expected = plain(input_ids=ids).logits
-        out[kind] = {"on_meta": on_meta, "plain_on_meta": any(p.is_meta for p in plain.parameters()),
+        out[kind] = {"on_meta": on_meta, "trained": engine.global_steps == 1, "plain_on_meta": any(p.is_meta for p in plain.parameters()),
                      "max_diff": float((logits - expected).abs().max()),
                      "param_bytes": engine.memory_report()["compute_params"]}
     return out
@@ -66,6 +71,7 @@ def test_sharded_from_pretrained_gives_the_same_outputs(saved_models, stage):
     for rank_result in run_distributed(_load_and_compare, 2, saved_models, stage):
         for kind, r in rank_result.items():
             assert r["on_meta"] == (stage == 3), kind
+            assert r["trained"], kind
             assert not r["plain_on_meta"]
             assert r["max_diff"] == 0.0, kind
 

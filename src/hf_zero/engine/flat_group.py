@@ -147,10 +147,13 @@ class FlatParamGroup:
             view = self.full[slot.offset : slot.offset + slot.numel].view(slot.shape)
             if param.is_meta:
                 # .data cannot move a tensor off the meta device; swapping keeps the Parameter
-                # object (tied weights, optimizer param groups) and gives it the view.
-                torch.utils.swap_tensors(param, nn.Parameter(view, requires_grad=param.requires_grad))
-            else:
-                param.data = view
+                # object (tied weights, optimizer param groups). Swap in an empty one and then
+                # assign .data like the eager path: a Parameter built on the view would share
+                # the flat buffer's version counter, and the stage-3 re-gather before backward
+                # (an in-place write) would then fail autograd's saved-tensor check.
+                empty = torch.empty(0, dtype=view.dtype, device=view.device)
+                torch.utils.swap_tensors(param, nn.Parameter(empty, requires_grad=param.requires_grad))
+            param.data = view
 
     def _init_master_and_grads(self, compute_dtype: torch.dtype, device: torch.device) -> None:
         # See [Note: master aliasing].

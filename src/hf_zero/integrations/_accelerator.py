@@ -1,0 +1,270 @@
+"""HfZeroAccelerator: an ``accelerate.Accelerator`` whose ``prepare`` returns a ZeroEngine.
+
+Accelerate has no plugin registry (research/hf_integration.md section 4), so hf_zero enters as a
+subclass. It behaves like Accelerate's DeepSpeed path, without the deepspeed package:
+
+- ``prepare(model, optimizer, scheduler, dataloaders...)`` wraps the model with
+  :func:`hf_zero.initialize` (a torch optimizer is rebuilt over the shards; ``DummyOptim`` /
+  ``DummyScheduler`` select the config's ``optimizer`` / ``scheduler`` sections) and prepares
+  dataloaders as usual. The model is never wrapped in DDP.
+- ``backward`` runs ``engine.backward`` with ``sync_gradients`` as the accumulation boundary,
+  then ``engine.step()``: reduce, clip, optimizer step, engine-owned scheduler step, zero grads.
+  The returned optimizer's ``step`` / ``zero_grad`` and an engine-owned scheduler's ``step`` are
+  therefore no-ops, and ``clip_grad_norm_`` returns the global norm the engine computed.
+- ``prepare_model(model, evaluation_mode=True)`` under stage 3 builds an optimizer-less engine
+  (ZeRO inference); stages 0-2 evaluate the plain, replicated model.
+- ``get_state_dict`` gathers the full weights on rank 0 (fp32 unless the config asks for 16-bit).
+
+Accelerate's own mixed precision is forced to "no": the engine owns precision, as DeepSpeed does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.scheduler import AcceleratedScheduler
+from accelerate.utils import DummyOptim, DummyScheduler
+from torch import nn
+from torch.utils.data import DataLoader
+
+import hf_zero
+from hf_zero.config import HfZeroConfig
+from hf_zero.engine.engine import ZeroEngine
+from hf_zero.engine.initialize import hidden_size_of
+from hf_zero.engine.optimizer import ZeroOptimizer
+from hf_zero.integrations._weights import attach_engine, engine_of, gather_full_state_dict, release_engine
+
+logger = logging.getLogger("hf_zero")
+
+# The environment variable the runner (and a user) sets to switch hf_zero on: a JSON path or text.
+CONFIG_ENV = "HF_ZERO_CONFIG"
+
+
+class HfZeroOptimizerWrapper(AcceleratedOptimizer):
+    """The engine's :class:`ZeroOptimizer` as Accelerate hands it out. ``step`` and ``zero_grad``
+    are no-ops because ``accelerator.backward`` steps the engine at the accumulation boundary;
+    ``param_groups`` are the sharded optimizer's, so torch LR schedulers built on this object
+    drive the real learning rate."""
+
+    def __init__(self, optimizer: ZeroOptimizer, engine: ZeroEngine) -> None:
+        super().__init__(optimizer, device_placement=False, scaler=None)
+        self.engine = engine
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        pass  # the engine zeroes its gradient shards after each step
+
+    def step(self, closure: Any = None) -> None:
+        pass  # see the class docstring
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """True when the last engine step was skipped for an fp16 overflow."""
+        return bool(self.optimizer.overflow)
+
+
+class HfZeroSchedulerWrapper(AcceleratedScheduler):
+    """A scheduler the engine steps itself (``engine.step()``); ``step`` here is a no-op."""
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+def config_from_env() -> HfZeroConfig | None:
+    source = os.environ.get(CONFIG_ENV)
+    return HfZeroConfig(source) if source else None
+
+
+def derived_config(raw: dict[str, Any]) -> HfZeroConfig:
+    """A config computed from the user's (resolved, sections dropped): unlike the user's own, it
+    must not become the live stage-3 config that switches on sharded loading (config/live.py)."""
+    from hf_zero.config.live import live_zero3_config, set_live_zero3_config
+
+    live = live_zero3_config()
+    config = HfZeroConfig(raw)
+    if live is not None and live_zero3_config() is not live:
+        set_live_zero3_config(live)
+    return config
+
+
+def _without_sections(config: HfZeroConfig, names: tuple[str, ...]) -> HfZeroConfig:
+    raw = config.to_dict()
+    for name in names:
+        raw.pop(name, None)
+    return derived_config(raw)
+
+
+class HfZeroAccelerator(Accelerator):
+    """``Accelerator`` with hf_zero's ZeRO engine in place of DDP (see the module docstring).
+
+    ``hf_zero_config`` is an :class:`HfZeroConfig`, a dict or a JSON path; when omitted it comes
+    from the ``HF_ZERO_CONFIG`` environment variable, and with neither this is a plain
+    Accelerator. The config may still hold "auto" values: ``prepare`` fills the world size and the
+    model's hidden size, and reports anything else left unresolved in one HfZeroConfigError.
+    """
+
+    def __init__(self, *args: Any, hf_zero_config: HfZeroConfig | dict | str | None = None, **kwargs: Any) -> None:
+        config = HfZeroConfig(hf_zero_config) if hf_zero_config is not None else config_from_env()
+        if config is not None:
+            kwargs["mixed_precision"] = "no"  # the engine owns precision
+        super().__init__(*args, **kwargs)
+        self.hf_zero_config: HfZeroConfig | None = config
+        self.hf_zero_engine: ZeroEngine | None = None
+
+    # ------------------------------------------------------------------ prepare
+    def _resolved_config(self, model: nn.Module, inference: bool) -> HfZeroConfig:
+        config = self.hf_zero_config
+        if inference:  # as transformers' deepspeed_init(inference=True): no optimizer, no scheduler
+            config = _without_sections(config, ("optimizer", "scheduler"))
+        return config.resolve(world_size=self.num_processes, hidden_size=hidden_size_of(model))
+
+    def _build_engine(self, model: nn.Module, optimizer: Any = None, scheduler: Any = None,
+                      inference: bool = False) -> ZeroEngine:
+        existing = engine_of(model)
+        if existing is not None and (existing.optimizer is not None or inference):
+            return self._track(existing)
+        if existing is not None:
+            release_engine(existing)  # an evaluation-only engine makes way for a training one
+        config = self._resolved_config(model, inference)
+        torch_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+        if isinstance(optimizer, DummyOptim) and config.optimizer is None:
+            raise ValueError(
+                "DummyOptim was passed to prepare() but the hf_zero config has no \"optimizer\" "
+                "section; add one, or pass a torch optimizer"
+            )
+        lr_scheduler = scheduler
+        if isinstance(scheduler, DummyScheduler):
+            lr_scheduler = None if config.scheduler is not None else scheduler.lr_scheduler_callable
+        engine, _, _, _ = hf_zero.initialize(
+            model=model, config=config, optimizer=torch_optimizer, lr_scheduler=lr_scheduler
+        )
+        attach_engine(engine)
+        return self._track(engine)
+
+    def _track(self, engine: ZeroEngine) -> ZeroEngine:
+        self.hf_zero_engine = engine
+        if engine not in self._models:
+            self._models.append(engine)
+        return engine
+
+    def _wrap_optimizer(self, engine: ZeroEngine) -> HfZeroOptimizerWrapper | None:
+        if engine.optimizer is None:
+            return None
+        for existing in self._optimizers:
+            if getattr(existing, "optimizer", None) is engine.optimizer:
+                return existing
+        wrapper = HfZeroOptimizerWrapper(engine.optimizer, engine)
+        self._optimizers.append(wrapper)
+        return wrapper
+
+    def _wrap_scheduler(self, engine: ZeroEngine, optimizer: HfZeroOptimizerWrapper | None) -> Any:
+        if engine.lr_scheduler is None:
+            return None
+        wrapper = HfZeroSchedulerWrapper(engine.lr_scheduler, optimizer or [])
+        self._schedulers.append(wrapper)
+        return wrapper
+
+    def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
+        if self.hf_zero_config is None:
+            return super().prepare(*args, device_placement=device_placement)
+        models = [i for i, a in enumerate(args) if isinstance(a, nn.Module)]
+        if len(models) > 1:
+            raise NotImplementedError("HfZeroAccelerator.prepare takes one model per accelerator")
+        optimizers = [i for i, a in enumerate(args) if isinstance(a, (torch.optim.Optimizer, DummyOptim))]
+        schedulers = [i for i, a in enumerate(args)
+                      if isinstance(a, (torch.optim.lr_scheduler.LRScheduler, DummyScheduler))]
+        result = list(args)
+        if models:
+            self._prepare_training(result, models[0], optimizers, schedulers)
+        elif optimizers:  # an optimizer prepared again on a later train() call
+            for i in optimizers:
+                result[i] = self._already_prepared_optimizer(args[i])
+        rest = [i for i, a in enumerate(result) if isinstance(a, DataLoader)]
+        if rest:
+            prepared = super().prepare(*(result[i] for i in rest))
+            prepared = prepared if len(rest) > 1 else (prepared,)
+            for i, obj in zip(rest, prepared):
+                result[i] = obj
+        return tuple(result) if len(result) > 1 else result[0]
+
+    def _prepare_training(self, result: list[Any], model_index: int, optimizers: list[int],
+                          schedulers: list[int]) -> None:
+        if len(optimizers) > 1 or len(schedulers) > 1:
+            raise NotImplementedError("HfZeroAccelerator.prepare takes at most one optimizer and one scheduler")
+        optimizer = result[optimizers[0]] if optimizers else None
+        scheduler = result[schedulers[0]] if schedulers else None
+        engine = self._build_engine(result[model_index], optimizer, scheduler)
+        result[model_index] = engine
+        wrapped_optimizer = self._wrap_optimizer(engine)
+        if optimizers:
+            result[optimizers[0]] = wrapped_optimizer
+        if schedulers:
+            result[schedulers[0]] = self._wrap_scheduler(engine, wrapped_optimizer)
+
+    def _already_prepared_optimizer(self, optimizer: Any) -> Any:
+        if isinstance(optimizer, HfZeroOptimizerWrapper):
+            self._track(optimizer.engine)
+            if optimizer not in self._optimizers:
+                self._optimizers.append(optimizer)
+            return optimizer
+        raise RuntimeError(
+            "HfZeroAccelerator.prepare got an optimizer without its model: pass the model and the "
+            "optimizer to the same prepare() call so the optimizer can be rebuilt over the shards"
+        )
+
+    def prepare_model(self, model: nn.Module, device_placement: bool | None = None,
+                      evaluation_mode: bool = False) -> nn.Module:
+        if self.hf_zero_config is None:
+            return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        existing = engine_of(model)
+        if existing is not None:
+            return existing
+        if evaluation_mode:
+            if self.hf_zero_config.stage != 3:
+                return model.to(self.device)  # stages 0-2 keep full parameters anyway
+            return self._build_engine(model, inference=True)
+        return self._build_engine(model)
+
+    # ------------------------------------------------------------------ training step
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        engine = self.hf_zero_engine
+        if engine is None or engine.optimizer is None:
+            return super().backward(loss, **kwargs)
+        kwargs.pop("scale_wrt_gas", None)  # Accelerate's accumulation divides here, as for DDP
+        loss = loss / self.gradient_accumulation_steps
+        engine.set_gradient_accumulation_boundary(self.sync_gradients)
+        engine.backward(loss, scale_wrt_gas=False, **kwargs)
+        engine.step()
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor | None:
+        """The engine clips with the config's ``gradient_clipping`` during its step; this returns
+        the global norm (before clipping) it found, as Accelerate does under DeepSpeed."""
+        engine = self.hf_zero_engine
+        if engine is None or engine.optimizer is None:
+            return super().clip_grad_norm_(parameters, max_norm, norm_type)
+        norm = engine.get_global_grad_norm()
+        return None if norm is None else torch.tensor(norm)
+
+    # ------------------------------------------------------------------ models and weights
+    def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True,
+                     keep_torch_compile: bool = True) -> nn.Module:
+        if isinstance(model, ZeroEngine):
+            model = model.module
+        return super().unwrap_model(model, keep_fp32_wrapper, keep_torch_compile)
+
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
+        """Full weights on rank 0 (an empty dict elsewhere); collective under hf_zero."""
+        engine = engine_of(model)
+        if engine is None:
+            return super().get_state_dict(model, unwrap=unwrap)
+        return gather_full_state_dict(engine)
+
+    def free_memory(self, *objects: Any) -> Any:
+        # The engine stays attached to its model (the Trainer frees memory at the start of
+        # train()); only the accelerator's references go.
+        self.hf_zero_engine = None
+        return super().free_memory(*objects)

@@ -1,0 +1,180 @@
+"""Full weights in and out of a ZeroEngine, for the Transformers and Accelerate integrations.
+
+Nothing here imports transformers or accelerate: these are engine-level helpers that the
+integrations call when they save a model folder, load one back, or hand a model back unsharded.
+
+[Note: which copy of the weights is saved]
+A model folder is written from the fp32 master weights unless the config asks for 16-bit
+(``zero_optimization.stage3_gather_16bit_weights_on_model_save``), in which case the compute copy
+(bf16 / fp16, or fp32 when the run computes in fp32) is saved, as DeepSpeed does. With fp32
+compute the master *is* the compute shard (see [Note: master aliasing] in flat_group.py), so
+both choices give the same bytes. With 16-bit compute the fp32 masters are all-gathered group by
+group; frozen parameters have no master and are saved from their compute copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Mapping
+
+import torch
+from torch import nn
+
+from hf_zero.engine.engine import ZeroEngine
+from hf_zero.engine.flat_group import FlatParamGroup
+
+logger = logging.getLogger("hf_zero")
+
+# A model wrapped by an engine records it here (in the instance __dict__, so nn.Module does not
+# register the engine as a submodule).
+ENGINE_ATTR = "_hf_zero_engine"
+
+
+def engine_of(model: nn.Module | None) -> ZeroEngine | None:
+    """The engine that wraps ``model`` (or ``model`` itself when it is one), else None."""
+    if model is None:
+        return None
+    if isinstance(model, ZeroEngine):
+        return model
+    return model.__dict__.get(ENGINE_ATTR)
+
+
+def attach_engine(engine: ZeroEngine) -> None:
+    """Record the engine on its module, and under stage 3 set the flag transformers reads to pass
+    ``synced_gpus=True`` to ``generate`` (research/hf_integration.md section 3): a rank that has
+    finished generating keeps running forwards, so the other ranks' unit gathers still complete."""
+    engine.module.__dict__[ENGINE_ATTR] = engine
+    if engine.stage == 3:
+        engine.module._is_fsdp_managed_module = True
+
+
+def save_dtype(engine: ZeroEngine) -> torch.dtype:
+    """See [Note: which copy of the weights is saved]."""
+    if engine.config.zero.stage3_gather_16bit_weights_on_model_save:
+        return engine.config.compute_dtype
+    return torch.float32
+
+
+def _master_flat(engine: ZeroEngine, group: FlatParamGroup) -> torch.Tensor | None:
+    """The group's fp32 master as one full flat tensor, or None when the compute copy is exact."""
+    master = group.master
+    if master is None or master.data_ptr() == group.shard.data_ptr():
+        return None  # frozen, or fp32 compute: the master is the compute copy
+    if group.layout.world_size == 1:
+        return master  # stage 0: the master is already full
+    full = torch.empty(group.layout.padded_numel, dtype=torch.float32, device=master.device)
+    engine.comm.all_gather_into(full, master, label=f"{group.label}.export")
+    return full
+
+
+@contextlib.contextmanager
+def _gathered_unit(engine: ZeroEngine, unit_params: list[torch.Tensor]) -> Iterator[None]:
+    if unit_params:
+        with engine.gathered_parameters(unit_params):
+            yield
+    else:
+        yield
+
+
+def gather_full_state_dict(
+    engine: ZeroEngine, dtype: torch.dtype | None = None, rank0_only: bool = True
+) -> dict[str, torch.Tensor]:
+    """The module's full state dict (parameters and persistent buffers) as CPU tensors.
+
+    Collective: every rank must call it. Units are gathered one at a time, so beyond the result
+    a rank holds at most one unit's full parameters. With ``rank0_only`` the other ranks return
+    an empty dict. Tied parameters stay one tensor under each of their names, so
+    ``save_pretrained`` recognises them. ``dtype`` defaults to :func:`save_dtype`.
+    """
+    dtype = save_dtype(engine) if dtype is None else dtype
+    keep = engine.rank == 0 or not rank0_only
+    by_param: dict[int, torch.Tensor] = {}
+    for unit in engine.units:
+        params = [p for group in unit.groups for p in group.params]
+        with torch.no_grad(), _gathered_unit(engine, params):
+            for group in unit.groups:
+                master = _master_flat(engine, group) if dtype == torch.float32 else None
+                if not keep:
+                    continue
+                for slot, param in zip(group.layout.slots, group.params):
+                    source = param if master is None else master[slot.offset : slot.offset + slot.numel]
+                    by_param[id(param)] = source.detach().reshape(slot.shape).to("cpu", dtype).clone()
+    if not keep:
+        return {}
+    state: dict[str, torch.Tensor] = {}
+    for name, value in engine.module.state_dict(keep_vars=True).items():
+        tensor = by_param.get(id(value))
+        if tensor is None:  # a buffer: replicated, never sharded
+            tensor = value.detach().to("cpu").clone()
+        state[name] = tensor
+    return state
+
+
+def load_state_dict_into_engine(engine: ZeroEngine, state_dict: Mapping[str, torch.Tensor]) -> list[str]:
+    """Copy full weights into the engine's parameters (shards and fp32 masters included).
+
+    Collective. Every rank passes the same ``state_dict`` (for example each read the same
+    safetensors file); rank 0's values are broadcast. Returns the parameter names the state dict
+    did not have (they keep their current values).
+    """
+    names_of: dict[int, list[str]] = {}
+    for name, param in engine.module.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(param), []).append(name)
+    missing: list[str] = []
+    for unit in engine.units:
+        params = [p for group in unit.groups for p in group.params]
+        if not params:
+            continue
+        with torch.no_grad(), engine.gathered_parameters(params, modifier_rank=0):
+            for param in params:
+                names = names_of.get(id(param), [])
+                source = next((state_dict[n] for n in names if n in state_dict), None)
+                if source is None:
+                    missing.extend(names[:1])
+                    continue
+                param.copy_(source.to(param.device, param.dtype).reshape(param.shape))
+        for group in unit.groups:
+            _load_master_exactly(group, state_dict, names_of)
+    buffers = dict(engine.module.named_buffers())
+    with torch.no_grad():
+        for name, buf in buffers.items():
+            if name in state_dict:
+                buf.copy_(state_dict[name].to(buf.device, buf.dtype))
+    return missing
+
+
+def _load_master_exactly(
+    group: FlatParamGroup, state_dict: Mapping[str, torch.Tensor], names_of: dict[int, list[str]]
+) -> None:
+    """A separate fp32 master (16-bit compute) takes the state dict's values, not the 16-bit
+    rounding that ``gathered_parameters`` refreshed it from."""
+    master = group.master
+    if master is None or master.data_ptr() == group.shard.data_ptr():
+        return
+    lo, hi = group.layout.shard_range(group.comm.rank) if group.layout.world_size > 1 else (0, master.numel())
+    for slot, param in zip(group.layout.slots, group.params):
+        start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+        source = next((state_dict[n] for n in names_of.get(id(param), []) if n in state_dict), None)
+        if source is None or start >= end:
+            continue
+        flat = source.reshape(-1)[start - slot.offset : end - slot.offset]
+        master[start - lo : end - lo].copy_(flat.to(master.device, torch.float32))
+
+
+def release_engine(engine: ZeroEngine) -> nn.Module:
+    """Give the module back as a plain, unsharded module and detach the engine from it.
+
+    Used when an evaluation-only (optimizer-less) stage-3 engine must make way for a training
+    engine: parameters become ordinary full tensors again (in the engine's compute dtype) and the
+    hooks are removed. The engine must not be used afterwards.
+    """
+    module = engine.module
+    with torch.no_grad(), engine.gathered_parameters():
+        for param in module.parameters():
+            param.data = param.data.clone()
+            param.grad = None
+    engine.protocol.remove()
+    module.__dict__.pop(ENGINE_ATTR, None)
+    module.__dict__.pop("_is_fsdp_managed_module", None)
+    return module

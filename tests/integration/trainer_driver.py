@@ -1,0 +1,230 @@
+"""Runs on every rank of a real 2-process torchrun launch: several Trainer jobs in one process.
+
+Launching is the slow part (importing transformers takes seconds), so one launch runs a list of
+jobs (a JSON plan) one after the other and rank 0 writes every job's result to the plan's
+``out`` file. Jobs:
+
+- ``script``: the example script recipes/examples/run_trainer.py, unmodified, through
+  ``hf_zero.run`` (so ``--zero_config`` and ``enable()`` work exactly as on the command line), or
+  as a plain script (the DDP baseline) when the job has no ``zero_config``;
+- ``explicit``: ``HfZeroTrainingArguments`` + ``HfZeroTrainer`` used directly: evaluate before
+  training (a ZeRO-3 inference engine that training then replaces), train, evaluate, save, and
+  ``generate`` with each rank stopping at a different length;
+- ``seq2seq``: an unmodified ``Seq2SeqTrainer`` predicting with generation under stage 3;
+- ``best``: ``load_best_model_at_end`` brings back an older checkpoint's weights;
+- ``resolve``: the "auto" resolution at world size 2, against transformers' own code.
+
+Run through the runner, as users run a script:
+``torchrun --standalone --nproc_per_node 2 -m hf_zero.run -m tests.integration.trainer_driver PLAN.json``
+(the DDP baseline jobs first undo the runner's patches, so they run transformers unmodified).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import runpy
+import sys
+import traceback
+from typing import Any, Callable
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(REPO, "recipes", "examples", "run_trainer.py")
+CONFIG_ENV = "HF_ZERO_CONFIG"
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def log_history(output_dir: str) -> dict[str, Any]:
+    with open(os.path.join(output_dir, "trainer_state.json")) as f:
+        history = json.load(f)["log_history"]
+    steps = [h for h in history if "loss" in h]
+    return {"loss": [h["loss"] for h in steps], "grad_norm": [h["grad_norm"] for h in steps],
+            "learning_rate": [h["learning_rate"] for h in steps], "step": [h["step"] for h in steps]}
+
+
+def run_script(job: dict[str, Any]) -> dict[str, Any]:
+    """The example script, as ``python -m hf_zero.run SCRIPT --zero_config ...`` or plain."""
+    argv = list(job["argv"])
+    os.environ.pop(CONFIG_ENV, None)
+    if job.get("zero_config"):
+        from hf_zero import run
+
+        run.main([SCRIPT, *argv, "--zero_config", job["zero_config"]])
+        os.environ.pop(CONFIG_ENV, None)
+    else:  # the DDP baseline: Trainer and TrainingArguments exactly as transformers ships them
+        from hf_zero.integrations.transformers import disable
+
+        disable()
+        sys.argv = [SCRIPT, *argv]
+        runpy.run_path(SCRIPT, run_name="__main__")
+    output_dir = argv[argv.index("--output_dir") + 1]
+    result: dict[str, Any] = {"output_dir": output_dir}
+    if "--do_train" in argv:
+        result.update(log_history(output_dir))
+    metrics_file = os.path.join(output_dir, "eval_results.json")
+    if os.path.exists(metrics_file):
+        with open(metrics_file) as f:
+            result["eval_loss"] = json.load(f)["eval_loss"]
+    return result
+
+
+def _tiny_datasets(model_dir: str, train: int, evaluate: int) -> tuple[Any, Any]:
+    """The example script's synthetic data, built the same way."""
+    from datasets import Dataset
+    from transformers import AutoConfig
+
+    example = runpy.run_path(SCRIPT)  # its functions, without running main()
+    config = AutoConfig.from_pretrained(model_dir)
+    rows = example["synthetic_rows"]
+    train_rows = rows(train, config.vocab_size, 12, 2, 1234)
+    eval_rows = rows(evaluate, config.vocab_size, 12, 2, 1235)
+    to_features = example["to_features"]
+    return (to_features(Dataset.from_list(train_rows), "causal_lm"),
+            to_features(Dataset.from_list(eval_rows), "causal_lm"))
+
+
+def _explicit_args(job: dict[str, Any], **overrides: Any) -> Any:
+    from hf_zero.integrations.transformers import HfZeroTrainingArguments
+
+    kwargs = dict(job["training_args"])
+    kwargs.update(overrides)
+    return HfZeroTrainingArguments(zero_config=job["zero_config"], **kwargs)
+
+
+def run_explicit(job: dict[str, Any]) -> dict[str, Any]:
+    """Evaluate (inference engine) -> train (training engine) -> evaluate -> save -> generate."""
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from hf_zero.integrations.transformers import HfZeroTrainer
+
+    args = _explicit_args(job)
+    model = AutoModelForCausalLM.from_pretrained(job["model_dir"])
+    loaded_on_meta = all(p.is_meta for p in model.parameters())
+    train_dataset, eval_dataset = _tiny_datasets(job["model_dir"], job["train_samples"], job["eval_samples"])
+    trainer = HfZeroTrainer(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset)
+    before = trainer.evaluate()["eval_loss"]
+    trainer.train()
+    after = trainer.evaluate()["eval_loss"]
+    trainer.save_model(job["save_dir"])
+    trainer.save_state()
+
+    # Generation under stage 3: each rank stops at its own length; synced_gpus keeps the
+    # finished rank running forwards so the other rank's unit gathers complete.
+    rank = dist.get_rank()
+    generator = torch.Generator().manual_seed(100 + rank)
+    prompt = torch.randint(0, model.config.vocab_size, (1, 5), generator=generator)
+    max_new_tokens = job["max_new_tokens"][rank]
+    trainer.model.eval()
+    with torch.no_grad():
+        out = trainer.model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens,
+                                     do_sample=False, pad_token_id=0, eos_token_id=None)
+    generations = [None] * dist.get_world_size()
+    dist.all_gather_object(generations, {"prompt": prompt[0].tolist(), "tokens": out[0].tolist(),
+                                         "max_new_tokens": max_new_tokens})
+    history = log_history(args.output_dir)
+    return {"eval_loss_before": before, "eval_loss_after": after, "generations": generations,
+            "save_dir": job["save_dir"],
+            "loaded_on_meta": loaded_on_meta, "fsdp_flag": bool(getattr(trainer.model, "_is_fsdp_managed_module", False)),
+            **history}
+
+
+def run_seq2seq(job: dict[str, Any]) -> dict[str, Any]:
+    """An unmodified ``Seq2SeqTrainer`` under :func:`enable` (``HF_ZERO_CONFIG`` set): predict
+    with generation under stage 3 before any training (a ZeRO inference engine); transformers
+    passes ``synced_gpus`` itself because the model carries ``_is_fsdp_managed_module``."""
+    from transformers import AutoModelForCausalLM, Seq2SeqTrainer, Seq2SeqTrainingArguments
+
+    from hf_zero.integrations.transformers import enable
+
+    enable()
+    os.environ[CONFIG_ENV] = job["zero_config"]
+    try:
+        args = Seq2SeqTrainingArguments(**job["training_args"])
+    finally:
+        os.environ.pop(CONFIG_ENV, None)
+    model = AutoModelForCausalLM.from_pretrained(job["model_dir"])
+    model.config.pad_token_id = model.generation_config.pad_token_id = 0  # the tiny model has none
+    _, eval_dataset = _tiny_datasets(job["model_dir"], 2, job["eval_samples"])
+    trainer = Seq2SeqTrainer(model=model, args=args, eval_dataset=eval_dataset)
+    output = trainer.predict(eval_dataset, max_length=job["max_length"])
+    return {"tokens": output.predictions.tolist(), "inputs": [list(x) for x in eval_dataset["input_ids"]],
+            "zero": args.hf_zero_config is not None}
+
+
+def run_best(job: dict[str, Any]) -> dict[str, Any]:
+    """``load_best_model_at_end`` with a metric that is best at the first evaluation (it counts
+    the evaluations down), so the final weights must be brought back from an early checkpoint."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from hf_zero.integrations._weights import engine_of, gather_full_state_dict
+    from hf_zero.integrations.transformers import HfZeroTrainer
+
+    args = _explicit_args(job)
+    model = AutoModelForCausalLM.from_pretrained(job["model_dir"])
+    train_dataset, eval_dataset = _tiny_datasets(job["model_dir"], job["train_samples"], job["eval_samples"])
+    evaluations = []
+
+    def countdown(_: Any) -> dict[str, float]:
+        evaluations.append(1)
+        return {"countdown": -float(len(evaluations))}
+
+    trainer = HfZeroTrainer(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                            compute_metrics=countdown)
+    trainer.train()
+    best = trainer.state.best_model_checkpoint
+    final = gather_full_state_dict(engine_of(trainer.model), dtype=torch.float32)
+    if _rank() != 0:
+        return {}
+    checkpoints = sorted(d for d in os.listdir(args.output_dir) if d.startswith("checkpoint-"))
+
+    def diff_to(folder: str) -> float:
+        saved = load_file(os.path.join(folder, "model.safetensors"))
+        return max(float((final[k] - saved[k]).abs().max()) for k in saved)
+
+    return {"best": os.path.basename(best), "checkpoints": checkpoints, "max_diff_to_best": diff_to(best),
+            "max_diff_to_last": diff_to(os.path.join(args.output_dir, checkpoints[-1])),
+            "engine_checkpoint": any(n.startswith("global_step") for n in os.listdir(best))}
+
+
+def run_resolve(job: dict[str, Any]) -> dict[str, Any]:
+    from tests.integration.resolution import hf_zero_resolution, transformers_resolution
+
+    return {"hf_zero": hf_zero_resolution(job["config"], job["training_args"], job["hidden_size"], job["steps"]),
+            "transformers": transformers_resolution(job["config"], job["training_args"], job["hidden_size"],
+                                                    job["steps"])}
+
+
+JOBS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "script": run_script,
+    "explicit": run_explicit,
+    "best": run_best,
+    "seq2seq": run_seq2seq,
+    "resolve": run_resolve,
+}
+
+
+def main(plan_path: str) -> None:
+    with open(plan_path) as f:
+        plan = json.load(f)
+    results: dict[str, Any] = {}
+    for job in plan["jobs"]:
+        try:
+            results[job["name"]] = JOBS[job["kind"]](copy.deepcopy(job))
+        except Exception:  # both ranks fail alike in practice; record it and go on to the next job
+            results[job["name"]] = {"error": traceback.format_exc()[-6000:]}
+            os.environ.pop(CONFIG_ENV, None)
+    if _rank() == 0:
+        with open(plan["out"], "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
