@@ -125,12 +125,6 @@ TRAINER_VALUES: dict[str, Any] = dict(
 )  # fmt: skip
 
 
-@pytest.fixture
-def offload_implemented(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The one-line flip a later issue makes when CPU / NVMe offload lands."""
-    monkeypatch.setattr(config_keys, "OFFLOAD_DEVICES_NOT_IMPLEMENTED", ())
-
-
 def _write(tmp_path: Path, text: str, name: str = "ds_config.json") -> Path:
     path = tmp_path / name
     path.write_text(text)
@@ -141,20 +135,7 @@ def _write(tmp_path: Path, text: str, name: str = "ds_config.json") -> Path:
 
 
 @pytest.mark.parametrize("text", [DS_ZERO2, DS_ZERO3], ids=["zero2", "zero3"])
-def test_hf_docs_configs_only_trip_on_offload_today(tmp_path: Path, text: str) -> None:
-    """Every key of the transformers templates is known; only their CPU offload is refused (not yet implemented)."""
-    with pytest.raises(HfZeroConfigError) as info:
-        HfZeroConfig(_write(tmp_path, text))
-    problems = info.value.problems
-    assert {p.path for p in problems} <= {
-        "zero_optimization.offload_optimizer.device",
-        "zero_optimization.offload_param.device",
-    }
-    assert all("not implemented in hf_zero yet" in p.rule and p.value == "cpu" for p in problems)
-
-
-@pytest.mark.parametrize("text", [DS_ZERO2, DS_ZERO3], ids=["zero2", "zero3"])
-def test_hf_docs_configs_load_unchanged(tmp_path: Path, text: str, offload_implemented: None) -> None:
+def test_hf_docs_configs_load_unchanged(tmp_path: Path, text: str) -> None:
     path = _write(tmp_path, text)
     config = HfZeroConfig(path)
     assert config.to_dict() == json.loads(text) | _normalised_aliases(json.loads(text))

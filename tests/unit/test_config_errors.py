@@ -155,8 +155,7 @@ def test_offload_contradictions_once_offload_is_implemented(monkeypatch: pytest.
 @pytest.mark.parametrize(
     ("config", "path"),
     [
-        ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}, "stage": 2}}, "zero_optimization.offload_optimizer.device"),
-        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, "zero_optimization.offload_param.device"),
+        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}}, "zero_optimization.offload_param.device"),
         ({"zero_optimization": {"stage": 2, "cpu_offload": True}}, "zero_optimization.cpu_offload"),
         ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "zero_optimization.zero_quantized_weights"),
         ({"zero_optimization": {"stage": 3, "zero_quantized_nontrainable_weights": True}}, "zero_optimization.zero_quantized_nontrainable_weights"),

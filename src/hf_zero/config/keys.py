@@ -75,7 +75,9 @@ NOT_IMPLEMENTED = Status.NOT_IMPLEMENTED
 
 # ---- one-line flips -------------------------------------------------------------------------
 # Remove "cpu" (then "nvme") when offload/ implements it; every offload check reads this tuple.
-OFFLOAD_DEVICES_NOT_IMPLEMENTED: tuple[str, ...] = ("cpu", "nvme")
+OFFLOAD_DEVICES_NOT_IMPLEMENTED: tuple[str, ...] = ()
+# Parameter offload to NVMe (ZeRO-Infinity's param swapping) is not implemented yet.
+PARAM_OFFLOAD_DEVICES_NOT_IMPLEMENTED: tuple[str, ...] = ("nvme",)
 
 # Optimizer / scheduler types hf_zero runs (DeepSpeed's spelling; optimizer types match
 # case-insensitively, as DeepSpeed lower-cases them).
@@ -224,8 +226,13 @@ def _offload_device_off(value: Any) -> bool:
     return value not in OFFLOAD_DEVICES_NOT_IMPLEMENTED
 
 
+def _param_offload_device_off(value: Any) -> bool:
+    return value not in PARAM_OFFLOAD_DEVICES_NOT_IMPLEMENTED
+
+
 def _legacy_cpu_offload_off(value: Any) -> bool:
-    return not value or "cpu" not in OFFLOAD_DEVICES_NOT_IMPLEMENTED
+    # DeepSpeed's deprecated booleans; hf_zero asks for the offload_* sections instead.
+    return not value
 
 
 def _nothing_enabled(value: Any) -> bool:
@@ -274,7 +281,7 @@ def _deepcompile_off(value: Any) -> bool:
 
 # ---- the table ------------------------------------------------------------------------------
 
-_NI_REASON_OFFLOAD = "CPU / NVMe offload lands in a later hf_zero release"
+_NI_REASON_OFFLOAD = "the deprecated boolean; write zero_optimization.offload_optimizer / offload_param {\"device\": \"cpu\"} instead"
 _NI_ZEROPP = "ZeRO++ quantized / hierarchical communication"
 _ONLY_NVME = "NVMe I/O tuning, only read when offloading to nvme"
 _MONITOR = "monitoring backends are not wired into hf_zero; use the Trainer's report_to"
@@ -299,7 +306,7 @@ _SPECS: list[KeySpec] = [
     KeySpec("gradient_accumulation_steps", Int(), None, "Micro-steps accumulated per optimizer step; derived when absent.", nullable=True, check=at_least(1), auto_from="gradient_accumulation_steps"),
     KeySpec("gradient_clipping", Float(), 1.0, "Clip the global gradient L2 norm (over all shards) to this; 0 turns clipping off. DeepSpeed 0.19's default is 1.0.", check=at_least(0), auto_from="gradient_clipping"),
     KeySpec("steps_per_print", StepsPerPrint(), None, "Log progress every N optimizer steps; 0, null or Infinity mean never.", nullable=True),
-    KeySpec("wall_clock_breakdown", Bool(), False, "Time forward / backward / step and log the breakdown.", NO_EFFECT, "the per-phase timers are not implemented yet; steps_per_print logs the step time"),
+    KeySpec("wall_clock_breakdown", Bool(), False, "Time forward, backward, gradient reduction, optimizer step and stage-3 gathers; engine.timers() returns them and the steps_per_print line adds them."),
     KeySpec("memory_breakdown", Bool(), False, "Log memory use.", NO_EFFECT, "memory logging only"),
     KeySpec("dump_state", Bool(), False, "Print DeepSpeed's engine state.", NO_EFFECT, "debug printing only"),
     KeySpec("disable_python_gc", Bool(), False, "Turn off Python's cyclic garbage collector during training.", NO_EFFECT, "a speed hint; the math is unchanged"),
@@ -372,14 +379,14 @@ _SPECS: list[KeySpec] = [
     KeySpec("zero_optimization.leaf_module.name_suffixes", StrList(), [], "Leaf module name suffixes.", NO_EFFECT, "hf_zero gathers every unit whole, so modules inside a unit are already fetched as one"),
     KeySpec("zero_optimization.wrap_modules", StrList(), None, "hf_zero only: class names that each form one unit (default: model._no_split_modules).", nullable=True),
     # -- offload_param (runtime/zero/offload_config.py) --
-    KeySpec("zero_optimization.offload_param.device", Choice(("none", "cpu", "nvme")), "none", "Where stage-3 parameters live between uses.", NOT_IMPLEMENTED, _NI_REASON_OFFLOAD, off=_offload_device_off, when_on='"cpu" or "nvme"'),
+    KeySpec("zero_optimization.offload_param.device", Choice(("none", "cpu", "nvme")), "none", "Where stage-3 parameters live between uses.", NOT_IMPLEMENTED, "parameter offload to NVMe", off=_param_offload_device_off, when_on='"nvme"'),
     KeySpec("zero_optimization.offload_param.nvme_path", Str(), None, "Directory for nvme offload.", nullable=True),
     KeySpec("zero_optimization.offload_param.buffer_count", Int(), 5, "Buffers in the nvme swap pool.", check=at_least(0)),
     KeySpec("zero_optimization.offload_param.buffer_size", Int(), 100_000_000, "Elements per nvme swap buffer.", check=at_least(0)),
     KeySpec("zero_optimization.offload_param.max_in_cpu", Int(), 1_000_000_000, "Elements kept in host memory when offloading to nvme.", check=at_least(0)),
     KeySpec("zero_optimization.offload_param.pin_memory", Bool(), True, "Use page-locked host memory."),
     # -- offload_optimizer --
-    KeySpec("zero_optimization.offload_optimizer.device", Choice(("none", "cpu", "nvme")), "none", "Where the fp32 master and optimizer state live; the step runs on the CPU.", NOT_IMPLEMENTED, _NI_REASON_OFFLOAD, off=_offload_device_off, when_on='"cpu" or "nvme"'),
+    KeySpec("zero_optimization.offload_optimizer.device", Choice(("none", "cpu", "nvme")), "none", "Where the fp32 master and optimizer state live; the step runs on the CPU."),
     KeySpec("zero_optimization.offload_optimizer.nvme_path", Str(), None, "Directory for nvme offload.", nullable=True),
     KeySpec("zero_optimization.offload_optimizer.buffer_count", Int(), 4, "Buffers in the nvme swap pool.", check=at_least(0)),
     KeySpec("zero_optimization.offload_optimizer.pin_memory", Bool(), True, "Use page-locked host memory."),

@@ -12,8 +12,9 @@ from torch import nn
 
 from hf_zero.comm import Communicator
 from hf_zero.engine.hooks import UnitProtocol
-from hf_zero.engine.memory import memory_report
+from hf_zero.engine.memory import format_memory_table, memory_report
 from hf_zero.engine.optimizer import ZeroOptimizer
+from hf_zero.engine.timers import PhaseTimers
 from hf_zero.engine.unit import ZeroUnit
 
 logger = logging.getLogger("hf_zero")
@@ -56,6 +57,8 @@ class ZeroEngine(nn.Module):
         self._last_step_time_s: float | None = None
         self._last_loss: torch.Tensor | None = None
         self._window_start = time.perf_counter()
+        # wall_clock_breakdown: None when off, so the hot path makes no timer calls at all.
+        self._timers = PhaseTimers(device) if config.wall_clock_breakdown else None
         self.protocol = UnitProtocol(
             units,
             stage=self.stage,
@@ -64,6 +67,7 @@ class ZeroEngine(nn.Module):
             max_live_numel=int(config.zero.stage3_max_live_parameters),
             is_boundary=self.is_gradient_accumulation_boundary,
             overlap_comm=bool(config.zero.overlap_comm) and self.stage >= 2,
+            timers=self._timers,
         )
         self.protocol.install()
 
@@ -105,7 +109,13 @@ class ZeroEngine(nn.Module):
 
     # ------------------------------------------------------------------ training
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        if self._timers is None or not torch.is_grad_enabled():  # evaluation is not timed
+            return self.module(*args, **kwargs)
+        self._timers.start("forward")
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            self._timers.stop("forward")
 
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._boundary_override is not None:
@@ -129,7 +139,14 @@ class ZeroEngine(nn.Module):
             scaled = scaled / self.gradient_accumulation_steps()
         if self.loss_scale != 1.0:
             scaled = scaled * self.loss_scale
-        scaled.backward(retain_graph=retain_graph)
+        if self._timers is None:
+            scaled.backward(retain_graph=retain_graph)
+        else:
+            self._timers.start("backward")
+            try:
+                scaled.backward(retain_graph=retain_graph)
+            finally:
+                self._timers.stop("backward")
         self._last_loss = loss.detach()
         return loss
 
@@ -144,10 +161,14 @@ class ZeroEngine(nn.Module):
                     "or pass optimizer= to hf_zero.initialize"
                 )
             start = time.perf_counter()
+            if self._timers is not None:
+                self._timers.start("step")
             self.optimizer.step()
             self._step_applied = not self.optimizer.overflow
             if self._step_applied and self.lr_scheduler is not None:
                 self.lr_scheduler.step(**(lr_kwargs or {}))
+            if self._timers is not None:
+                self._timers.stop("step")
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
             self._last_step_time_s = time.perf_counter() - start
@@ -157,7 +178,13 @@ class ZeroEngine(nn.Module):
     def _maybe_print_progress(self) -> None:
         """``steps_per_print``: one line on rank 0 every N optimizer steps."""
         every = self.config.steps_per_print
-        if not every or self.global_steps % every != 0 or self.rank != 0:
+        if not every or self.global_steps % every != 0:
+            return
+        breakdown = None
+        if self._timers is not None:  # every rank starts a new window at the same step
+            breakdown = self._timers.format(per=every)
+            self._timers.reset()
+        if self.rank != 0:
             return
         elapsed = time.perf_counter() - self._window_start
         self._window_start = time.perf_counter()
@@ -168,6 +195,8 @@ class ZeroEngine(nn.Module):
                 f"step_time {elapsed / every:.3f}s samples/s {every * self.train_batch_size() / elapsed:.1f}")
         if self.config.fp16.enabled:
             line += f" loss_scale {self.loss_scale:g} skipped {self.skipped_steps}"
+        if breakdown is not None:
+            line += f" | per step: {breakdown}"
         logger.info("hf_zero: %s", line)
 
     def was_step_applied(self) -> bool:
@@ -223,6 +252,29 @@ class ZeroEngine(nn.Module):
         """Bytes this rank holds now, by category (see hf_zero.engine.memory)."""
         return memory_report(self.units, self.optimizer, self.module)
 
+    def memory_table(self, unit: str = "auto", markdown: bool = False) -> str:
+        """Every rank's :meth:`memory_report` as one table (categories x ranks, with totals).
+        Collective: every rank must call it; each gets the same table."""
+        reports = self.comm.all_gather_objects(self.memory_report())
+        return format_memory_table(reports, unit=unit, markdown=markdown)
+
+    def timers(self) -> dict[str, dict[str, float | int]]:
+        """``wall_clock_breakdown``'s figures: for each of forward, backward, reduce, step and
+        gather, ``seconds`` and ``count`` since the last ``steps_per_print`` line or
+        :meth:`reset_timers`, and ``total_seconds`` / ``total_count`` since the start. See
+        [Note: what each phase covers] in hf_zero.engine.timers."""
+        if self._timers is None:
+            raise RuntimeError(
+                'engine.timers() needs "wall_clock_breakdown": true in the config; without it '
+                "nothing is timed (steps_per_print still logs the step time)"
+            )
+        return self._timers.as_dict()
+
+    def reset_timers(self) -> None:
+        """Start a new timing window (``seconds`` and ``count`` back to zero)."""
+        if self._timers is not None:
+            self._timers.reset()
+
     def comm_stats(self) -> dict[str, dict[str, int]]:
         """Calls, elements and bytes per collective kind since the last reset."""
         return self.comm.stats.as_dict()
@@ -244,6 +296,12 @@ class ZeroEngine(nn.Module):
         """Write ``save_dir/<tag>/`` (default ``global_step<N>``) and ``save_dir/latest`` on every
         rank together; see hf_zero.checkpoint.save. Returns the checkpoint directory."""
         from hf_zero.checkpoint import save_checkpoint
+
+        if self.optimizer is not None and self.optimizer.nvme is not None:
+            raise NotImplementedError(
+                "save_checkpoint with offload_optimizer.device \"nvme\" is not supported yet (the master "
+                "weights and moments live in NVMe files); use offload device \"cpu\" for runs that "
+                "need checkpoints")
 
         return save_checkpoint(self, save_dir, tag=tag, client_state=client_state)
 

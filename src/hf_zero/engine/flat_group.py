@@ -24,6 +24,7 @@ from torch import nn
 
 from hf_zero.comm import Communicator, Handle
 from hf_zero.engine.param_source import ParamSource
+from hf_zero.offload import OffloadSettings, to_host
 from hf_zero.partition import FlatLayout, build_flat_layout
 
 
@@ -83,8 +84,10 @@ class FlatParamGroup:
         compute_dtype: torch.dtype,
         device: torch.device,
         source: ParamSource | None = None,
+        offload: OffloadSettings = OffloadSettings(),
     ) -> None:
         self.label = label
+        self.offload = offload
         self.kind = kind
         self.comm = comm
         self.stage = stage
@@ -109,6 +112,11 @@ class FlatParamGroup:
             self.shard = self.full[lo:hi].clone() if self.shards_params else self.full[lo:hi]
             if self.shards_params:
                 free_storage(self.full)
+        # offload_param: the compute shard waits on the host between gathers (stage 3).
+        self.shard_on_host = offload.params == "cpu" and self.shards_params
+        if self.shard_on_host:
+            self.shard = to_host(self.shard, offload.pin_memory)
+        self.nvme_index: int | None = None  # set when an NVMe store holds this group's state
         self._pending_gather: Handle | None = None
         self.master: torch.Tensor | None = None
         self.grad_full: torch.Tensor | None = None
@@ -156,8 +164,14 @@ class FlatParamGroup:
             param.data = view
 
     def _init_master_and_grads(self, compute_dtype: torch.dtype, device: torch.device) -> None:
-        # See [Note: master aliasing].
-        self.master = self.shard if compute_dtype == torch.float32 else self.shard.float()
+        # See [Note: master aliasing]. Offloaded, the master is always a separate fp32 copy on
+        # the host (cpu) or a placeholder whose values live in files (nvme).
+        if self.offload.optimizer == "nvme":
+            self.master = torch.zeros(0, dtype=torch.float32)
+        elif self.offload.optimizer == "cpu":
+            self.master = to_host(self.shard.to(torch.float32, copy=True), self.offload.pin_memory)
+        else:
+            self.master = self.shard if compute_dtype == torch.float32 else self.shard.float()
         self.grad_full = torch.zeros(self.layout.padded_numel, dtype=compute_dtype, device=device)
         if self.stage == 0 and compute_dtype == torch.float32:
             self.grad_shard = self.grad_full  # all-reduced in place, already fp32
@@ -171,8 +185,13 @@ class FlatParamGroup:
         if self.grad_shard is None:
             if self.master is None:
                 raise RuntimeError(f"{self.label} is frozen: it has no fp32 master to give a gradient shard")
-            self.grad_shard = torch.zeros_like(self.master, dtype=torch.float32)
-            self.master.grad = self.grad_shard
+            host = self.offload.optimizer_on_host
+            self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=torch.float32,
+                                          device="cpu" if host else self.shard.device)
+            if host:
+                self.grad_shard = to_host(self.grad_shard, self.offload.pin_memory)
+            if self.master.numel() == self.grad_shard.numel():
+                self.master.grad = self.grad_shard
         return self.grad_shard
 
     # ----------------------------------------------------------------- parameters
@@ -187,8 +206,9 @@ class FlatParamGroup:
             return
         if not allocate_storage(self.full):
             return
+        shard = self.shard.to(self.full.device, non_blocking=True) if self.shard_on_host else self.shard
         self._pending_gather = self.comm.all_gather_into(
-            self.full, self.shard, label=self.label, async_op=async_op
+            self.full, shard, label=self.label, async_op=async_op
         )
         if not async_op:
             self._pending_gather = None
@@ -268,7 +288,7 @@ class FlatParamGroup:
         if pending.handle is not None:
             pending.handle.wait()
         if self.grad_shard is not None and self.grad_shard.data_ptr() != pending.received.data_ptr():
-            self.grad_shard.add_(pending.received)
+            self.grad_shard.add_(pending.received.to(self.grad_shard.device, non_blocking=True))
         if self.stage != 0:
             self.release_grads()
 

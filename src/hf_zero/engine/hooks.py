@@ -19,6 +19,8 @@
   the whole backward is done): reduces what the hooks did not (unused parameters, frozen units,
   stages 0-1 at the accumulation boundary) in the fixed unit order so every rank issues the same
   collectives, frees what is still gathered, and records the forward order for prefetching.
+- With ``wall_clock_breakdown``, each gather (with its wait and the prefetches it starts) runs
+  under the ``gather`` timer and each reduction under ``reduce`` (hf_zero.engine.timers).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from hf_zero.engine.timers import PhaseTimers
 from hf_zero.engine.unit import ZeroUnit
 
 
@@ -59,6 +62,7 @@ class UnitProtocol:
         max_live_numel: int,
         is_boundary: Callable[[], bool],
         overlap_comm: bool = False,
+        timers: PhaseTimers | None = None,
     ) -> None:
         self.units = units
         self.stage = stage
@@ -66,6 +70,7 @@ class UnitProtocol:
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
         self.overlap_comm = overlap_comm
+        self.timers = timers  # wall_clock_breakdown; None when off
         self.in_flight: tuple[ZeroUnit, list] | None = None
         self.is_boundary = is_boundary
         self.handles: list[RemovableHandle] = []
@@ -116,13 +121,31 @@ class UnitProtocol:
     def pre_forward(self, unit: ZeroUnit) -> None:
         if self.stage != 3:
             return
-        unit.unshard()
-        unit.wait_unshard()
-        if _in_backward():
+        if _in_backward():  # an activation-checkpointing recompute: gather, no prefetch
+            self._timed("gather", self._gather, unit, 0)
             return
         if unit.sharded_numel:
             self.current_order.append(unit)
-        self._prefetch(unit, step=1)
+        self._timed("gather", self._gather, unit, 1)
+
+    def _gather(self, unit: ZeroUnit, prefetch_step: int) -> None:
+        """Gather ``unit`` and wait for it, then prefetch in the direction ``prefetch_step``
+        (1: forward order, -1: backward, 0: none)."""
+        unit.unshard()
+        unit.wait_unshard()
+        if prefetch_step:
+            self._prefetch(unit, step=prefetch_step)
+
+    def _timed(self, phase: str, fn: Callable, *args: Any) -> None:
+        """``fn(*args)``, timed as ``phase`` when wall_clock_breakdown is on."""
+        if self.timers is None:
+            fn(*args)
+            return
+        self.timers.start(phase)
+        try:
+            fn(*args)
+        finally:
+            self.timers.stop(phase)
 
     def post_forward(self, unit: ZeroUnit, output: Any) -> None:
         if self.stage == 3 and not _in_backward():
@@ -148,14 +171,15 @@ class UnitProtocol:
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
             self.finish_queued = True
         if self.stage == 3:
-            unit.unshard()
-            unit.wait_unshard()
-            self._prefetch(unit, step=-1)
+            self._timed("gather", self._gather, unit, -1)
         unit.prepare_grads()
 
     def post_backward(self, unit: ZeroUnit) -> None:
         if self.stage == 3:
             unit.reshard()  # parameters are no longer needed; the gradients may still be in flight
+        self._timed("reduce", self._reduce, unit)
+
+    def _reduce(self, unit: ZeroUnit) -> None:
         if not self.overlap_comm:
             unit.reduce_grads(self.reduce_dtype)
             return
@@ -170,11 +194,12 @@ class UnitProtocol:
 
     def finish_backward(self) -> None:
         self.finish_queued = False
-        self._finish_in_flight()
+        if self.in_flight is not None:
+            self._timed("reduce", self._finish_in_flight)
         reduce_now = self.stage >= 2 or self.is_boundary()
         for unit in self.units:
             if reduce_now and unit.trainable_params and not unit.grads_reduced:
-                unit.reduce_grads(self.reduce_dtype)
+                self._timed("reduce", unit.reduce_grads, self.reduce_dtype)
             if self.stage == 3:
                 unit.reshard()
             unit.reset_backward_state()

@@ -17,6 +17,7 @@ from hf_zero.engine.optimizer import ZeroAdam, ZeroOptimizer
 from hf_zero.engine.param_source import SOURCE_ATTRIBUTE, ParamSource
 from hf_zero.engine.schedulers import build_scheduler
 from hf_zero.engine.unit import ZeroUnit
+from hf_zero.offload import NvmeOptimizerStore, OffloadSettings
 from hf_zero.partition import plan_units
 
 logger = logging.getLogger("hf_zero")
@@ -174,8 +175,10 @@ def initialize(
     param_group_of, hyper = _param_group_index(model, optimizer, model_parameters)
     plan = plan_units(model, resolved.zero.wrap_modules)
     threshold = int(resolved.zero.stage3_param_persistence_threshold) if resolved.stage == 3 else 0
+    offload = _offload_settings(resolved, optimizer)
     units = [
-        ZeroUnit(i, spec, param_group_of, comm, resolved.stage, resolved.compute_dtype, device, threshold, source)
+        ZeroUnit(i, spec, param_group_of, comm, resolved.stage, resolved.compute_dtype, device, threshold,
+                 source, offload)
         for i, spec in enumerate(plan.units)
     ]
     if source is not None:
@@ -194,6 +197,8 @@ def initialize(
     if inner is not None:
         zero_optimizer = ZeroOptimizer(inner, trainable, comm, resolved.gradient_clipping, resolved.stage)
         zero_optimizer.loss_scaler = build_loss_scaler(**_loss_scaler_kwargs(resolved))
+        if offload.optimizer == "nvme":
+            zero_optimizer.nvme = _nvme_store(offload, comm.rank, trainable)
     scheduler = _build_scheduler(resolved, zero_optimizer, lr_scheduler)
     engine = ZeroEngine(model, resolved, comm, device, units, plan.rule, zero_optimizer, scheduler)
     dataloader = _build_dataloader(training_data, resolved, comm, collate_fn)
@@ -236,6 +241,36 @@ def _place_buffers(model: nn.Module, device: torch.device, comm: Communicator, s
                 source.fill_(full_name, tuple(buf.shape), 0, buf.numel(), buf.view(-1))
             elif source is None:
                 comm.broadcast_(buf, src=0, label=f"buffer.{name}")
+
+
+def _offload_settings(config: HfZeroConfig, optimizer: OptimizerArg) -> OffloadSettings:
+    zero = config.zero
+    opt = zero.offload_optimizer.device if zero.offload_optimizer is not None else "none"
+    params = zero.offload_param.device if zero.offload_param is not None else "none"
+    if opt != "none" and config.stage == 0:
+        raise NotImplementedError(
+            "zero_optimization.offload_optimizer needs ZeRO stage 1, 2 or 3 (as in DeepSpeed); "
+            "set zero_optimization.stage")
+    if opt == "nvme" and (optimizer is not None or config.optimizer is None):
+        raise NotImplementedError(
+            "NVMe optimizer offload runs hf_zero's own Adam/AdamW tile by tile: put an \"optimizer\" "
+            "section (Adam or AdamW) in the config instead of passing an optimizer")
+    section = zero.offload_optimizer if opt != "none" else zero.offload_param
+    return OffloadSettings(
+        optimizer=opt, params=params,
+        pin_memory=bool(getattr(section, "pin_memory", True)) if section is not None else True,
+        nvme_path=getattr(zero.offload_optimizer, "nvme_path", None) if opt == "nvme" else None,
+        tile_numel=int(zero.sub_group_size),
+    )
+
+
+def _nvme_store(offload: OffloadSettings, rank: int, groups: list[Any]) -> NvmeOptimizerStore:
+    """Create the state files (checked before anything is written) and move the masters in."""
+    store = NvmeOptimizerStore(offload.nvme_path, rank, [g.layout.shard_numel for g in groups], offload.tile_numel)
+    for index, group in enumerate(groups):
+        group.nvme_index = index
+        store.store_master(index, group.shard)
+    return store
 
 
 def _loss_scaler_kwargs(config: HfZeroConfig) -> dict[str, Any]:

@@ -13,12 +13,14 @@ import torch
 from torch import nn
 
 CATEGORIES = ("compute_params", "gradients", "fp32_master", "optimizer_state", "buffers")
+# Offloaded state (zero_optimization.offload_*): host memory, and bytes in NVMe files.
+HOST_CATEGORIES = ("host_params", "host_gradients", "host_fp32_master", "host_optimizer_state")
 
 
 class _StorageCounter:
     def __init__(self) -> None:
         self.seen: set[int] = set()
-        self.totals = {name: 0 for name in CATEGORIES}
+        self.totals = {name: 0 for name in CATEGORIES + HOST_CATEGORIES}
 
     def add(self, category: str, tensors: Iterable[torch.Tensor | None]) -> None:
         for tensor in tensors:
@@ -32,24 +34,85 @@ class _StorageCounter:
             self.totals[category] += nbytes
 
 
-def _state_tensors(optimizer: Any) -> Iterable[torch.Tensor]:
+def _state_tensors(optimizer: Any, hosted: set[int], on_host: bool) -> Iterable[torch.Tensor]:
     if optimizer is None:
         return
-    for state in optimizer.state.values():
+    for param, state in optimizer.state.items():
+        if (id(param) in hosted) != on_host:
+            continue
         for value in state.values():
             if isinstance(value, torch.Tensor):
                 yield value
 
 
 def memory_report(units: list[Any], optimizer: Any, module: nn.Module) -> dict[str, int]:
+    """Device categories, their ``total``, host categories (offload), ``host_total``, and
+    ``nvme`` (bytes of optimizer state in files)."""
     counter = _StorageCounter()
     groups = [g for u in units for g in u.groups]
-    counter.add("compute_params", (t for g in groups for t in (g.full, g.shard)))
-    counter.add("gradients", (t for g in groups for t in (g.grad_full, g.grad_shard)))
-    counter.add("fp32_master", (g.master for g in groups))
+    host = {id(g): g.offload.optimizer_on_host for g in groups}
+    counter.add("compute_params", (g.full for g in groups))
+    counter.add("host_params", (g.shard for g in groups if g.shard_on_host))
+    counter.add("compute_params", (g.shard for g in groups if not g.shard_on_host))
+    counter.add("gradients", (g.grad_full for g in groups))
+    counter.add("host_gradients", (g.grad_shard for g in groups if host[id(g)]))
+    counter.add("gradients", (g.grad_shard for g in groups if not host[id(g)]))
+    counter.add("host_fp32_master", (g.master for g in groups if host[id(g)]))
+    counter.add("fp32_master", (g.master for g in groups if not host[id(g)]))
     # Step counters are 0-d tensors in torch optimizers; they are state too.
-    counter.add("optimizer_state", _state_tensors(optimizer))
+    hosted_masters = {id(g.master) for g in groups if host[id(g)] and g.master is not None}
+    counter.add("host_optimizer_state", _state_tensors(optimizer, hosted_masters, True))
+    counter.add("optimizer_state", _state_tensors(optimizer, hosted_masters, False))
     counter.add("buffers", module.buffers())
     report = dict(counter.totals)
-    report["total"] = sum(counter.totals.values())
+    report["total"] = sum(counter.totals[k] for k in CATEGORIES)
+    report["host_total"] = sum(counter.totals[k] for k in HOST_CATEGORIES)
+    nvme = getattr(optimizer, "nvme", None)
+    report["nvme"] = nvme.file_bytes if nvme is not None else 0
     return report
+
+
+_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
+
+
+def _pick_unit(reports: list[dict[str, int]], unit: str) -> tuple[str, int]:
+    if unit == "auto":
+        largest = max((r.get("total", 0) for r in reports), default=0)
+        unit = "GiB" if largest >= 2**30 else "MiB"
+    if unit not in _UNITS:
+        raise ValueError(f"unit={unit!r} is not one of {['auto', *_UNITS]}")
+    return unit, _UNITS[unit]
+
+
+def format_memory_table(
+    reports: list[dict[str, int]], unit: str = "auto", markdown: bool = False, max_rank_columns: int = 8
+) -> str:
+    """Per-rank ``memory_report()`` dicts (index = rank) as one table: a row per category plus
+    the total, a column per rank plus the sum over ranks. Beyond ``max_rank_columns`` ranks the
+    per-rank columns become min / max / mean.
+
+    ``unit`` is ``"auto"`` (GiB when a rank holds at least 1 GiB, else MiB, as ``hf-zero
+    estimate`` prints), or one of B, KiB, MiB, GiB, KB, MB, GB. ``markdown=True`` gives a pipe
+    table (for notebooks and issue reports) instead of aligned text.
+    """
+    if not reports:
+        raise ValueError("format_memory_table needs at least one report (engine.memory_report())")
+    unit, scale = _pick_unit(reports, unit)
+    per_rank = len(reports) <= max_rank_columns
+    header = ["category"] + ([f"rank {r}" for r in range(len(reports))] if per_rank else ["min", "max", "mean"])
+    header.append("all ranks")
+    rows = [header]
+    for category in (*CATEGORIES, "total"):
+        values = [r.get(category, 0) / scale for r in reports]
+        shown = values if per_rank else [min(values), max(values), sum(values) / len(values)]
+        rows.append([category] + [f"{v:,.2f}" for v in shown] + [f"{sum(values):,.2f}"])
+    title = f"memory by category ({unit}), {len(reports)} rank{'s' if len(reports) > 1 else ''}"
+    if markdown:
+        lines = ["| " + " | ".join(row) + " |" for row in rows]
+        lines.insert(1, "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|")
+        return f"**{title}**\n\n" + "\n".join(lines)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+             for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return title + "\n" + "\n".join(lines)

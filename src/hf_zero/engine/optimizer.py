@@ -104,9 +104,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
         self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
         self._zero_grad_profile_name = "Optimizer.zero_grad#ZeroOptimizer.zero_grad"
+        self.nvme: Any = None  # an NvmeOptimizerStore when offload_optimizer.device is nvme
         if isinstance(inner, ZeroAdam):
             for g in self.groups:
-                if g.master is not None and g.master.data_ptr() != g.shard.data_ptr():
+                # The kernel writes the compute copy in the same pass, unless the master is on the
+                # host (offloaded): then the shard is refreshed by a copy after the step.
+                separate = g.master is not None and g.master.data_ptr() != g.shard.data_ptr()
+                if separate and not g.offload.optimizer_on_host:
                     inner.compute_copy[id(g.master)] = g.shard
 
     @property
@@ -189,15 +193,28 @@ class ZeroOptimizer(torch.optim.Optimizer):
     step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
 
     def _inner_step(self, scale: float, clip_coef: float) -> None:
+        if self.nvme is not None:
+            self._nvme_step(scale, clip_coef)
+            return
         if isinstance(self.inner, ZeroAdam):
             self.inner.step(grad_scale=scale, clip_coef=clip_coef)
-            return
-        factor = clip_coef / scale
-        if factor != 1.0:
-            for shard in self._grad_shards():
-                shard.mul_(factor)
-        self.inner.step()
+        else:
+            factor = clip_coef / scale
+            if factor != 1.0:
+                for shard in self._grad_shards():
+                    shard.mul_(factor)
+            self.inner.step()
+        written = getattr(self.inner, "compute_copy", {})
         for group in self.groups:
-            if group.master is not None and group.master.data_ptr() != group.shard.data_ptr():
-                group.shard.copy_(group.master)
+            master = group.master
+            if master is not None and id(master) not in written and master.data_ptr() != group.shard.data_ptr():
+                group.shard.copy_(master, non_blocking=True)
+
+    def _nvme_step(self, scale: float, clip_coef: float) -> None:
+        group_of = {id(p): hyper for hyper in self.param_groups for p in hyper["params"]}
+        for group in self.groups:
+            if group.grad_shard is None or group.nvme_index is None:
+                continue
+            self.nvme.step(group.nvme_index, group.grad_shard, group.shard, group_of[id(group.master)],
+                           grad_scale=scale, clip_coef=clip_coef)
 

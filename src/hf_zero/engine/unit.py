@@ -8,6 +8,7 @@ from torch import nn
 from hf_zero.comm import Communicator
 from hf_zero.engine.flat_group import FlatParamGroup, GroupKind, PendingReduce
 from hf_zero.engine.param_source import ParamSource
+from hf_zero.offload import OffloadSettings
 from hf_zero.partition import UnitSpec, is_persistent
 
 
@@ -25,6 +26,7 @@ class ZeroUnit:
         device: torch.device,
         persistence_threshold: int,
         source: ParamSource | None = None,
+        offload: OffloadSettings = OffloadSettings(),
     ) -> None:
         self.index = index
         self.name = spec.name
@@ -39,7 +41,8 @@ class ZeroUnit:
             buckets.setdefault(kind, []).append((name, param))
         self.groups = [
             FlatParamGroup(
-                f"{spec.name}#{i}", named, kind, comm, stage, compute_dtype, device, source
+                f"{spec.name}#{i}", named, kind, comm, stage, compute_dtype, device, source,
+                offload if kind.trainable or offload.params != "none" else OffloadSettings(),
             )
             for i, (kind, named) in enumerate(sorted(buckets.items(), key=_kind_order))
         ]

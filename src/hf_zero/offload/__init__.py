@@ -1,0 +1,9 @@
+"""Where offloaded state lives: host memory (pinned when a GPU is present) or files on NVMe.
+
+These stores are storage plus the kernels' Adam; the engine (flat groups, optimizer) uses them,
+so in the import order they sit between kernels and engine."""
+
+from hf_zero.offload.host import OffloadSettings, to_host
+from hf_zero.offload.nvme import NvmeOptimizerStore
+
+__all__ = ["NvmeOptimizerStore", "OffloadSettings", "to_host"]

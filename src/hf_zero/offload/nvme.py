@@ -1,0 +1,108 @@
+"""fp32 master weights and Adam moments in files, streamed through a few tile buffers.
+
+[Note: NVMe optimizer offload]
+Each trainable flat group of a rank has three files (master, exp_avg, exp_avg_sq; fp32, one
+shard long) in ``<nvme_path>/hf_zero-rank<r>-pid<pid>/``. The step walks each group in tiles of
+``sub_group_size`` elements: read the three tiles into three reusable buffers, run the fused Adam
+kernel on them with the (in-memory) fp32 gradient tile, write the updated compute copy straight
+into the rank's parameter shard, and write the three tiles back. Resident memory for the
+optimizer is therefore three tiles, whatever the model's size. Files are read and written with
+``os.preadv`` / ``os.pwrite``: their pages live in the page cache, not in the process. The
+folder is removed at a clean exit; a missing, read-only or too small ``nvme_path`` is an error
+before anything is written.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+from typing import Any
+
+import torch
+
+STATES = ("master", "exp_avg", "exp_avg_sq")
+
+
+def check_nvme_path(path: str | None, needed_bytes: int) -> None:
+    if not path:
+        raise ValueError("offload device \"nvme\" needs zero_optimization.offload_*.nvme_path")
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"nvme_path {path!r} does not exist; create it or point nvme_path at a directory on the NVMe drive")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise PermissionError(f"nvme_path {path!r} is not writable by this process; fix its permissions or choose another directory")
+    free = shutil.disk_usage(path).free
+    if free < needed_bytes:
+        raise OSError(f"nvme_path {path!r} has {free / 2**30:.2f} GiB free, the optimizer state of this rank needs "
+                      f"{needed_bytes / 2**30:.2f} GiB; free space or choose a larger drive")
+
+
+class NvmeOptimizerStore:
+    """The NVMe half of the optimizer: see [Note: NVMe optimizer offload]."""
+
+    def __init__(self, nvme_path: str | None, rank: int, shard_numels: list[int], tile_numel: int) -> None:
+        check_nvme_path(nvme_path, needed_bytes=sum(shard_numels) * 4 * len(STATES))
+        self.dir = os.path.join(str(nvme_path), f"hf_zero-rank{rank}-pid{os.getpid()}")
+        os.makedirs(self.dir, exist_ok=True)
+        self.numels = shard_numels
+        self.steps = [0] * len(shard_numels)
+        self.tile_numel = max(1, min(tile_numel, max(shard_numels, default=1)))
+        self._fds: dict[tuple[int, str], int] = {}
+        for index, numel in enumerate(shard_numels):
+            for state in STATES:
+                fd = os.open(self.path(index, state), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+                os.ftruncate(fd, numel * 4)  # zeros: the initial moments
+                self._fds[(index, state)] = fd
+        self._buffers = {s: torch.empty(self.tile_numel, dtype=torch.float32) for s in STATES}
+        atexit.register(self.close)
+
+    def path(self, index: int, state: str) -> str:
+        return os.path.join(self.dir, f"group{index:04d}.{state}.fp32")
+
+    @property
+    def file_bytes(self) -> int:
+        return sum(self.numels) * 4 * len(STATES)
+
+    def write(self, index: int, state: str, start: int, values: torch.Tensor) -> None:
+        data = values.detach().to(torch.float32).contiguous().view(torch.uint8).numpy()
+        written = os.pwrite(self._fds[(index, state)], memoryview(data), start * 4)
+        if written != data.nbytes:
+            raise OSError(f"short write to {self.path(index, state)}: {written} of {data.nbytes} bytes (disk full?)")
+
+    def read_into(self, index: int, state: str, start: int, out: torch.Tensor) -> None:
+        view = memoryview(out.view(torch.uint8).numpy())
+        read = os.preadv(self._fds[(index, state)], [view], start * 4)
+        if read != out.numel() * 4:
+            raise OSError(f"short read from {self.path(index, state)}: {read} of {out.numel() * 4} bytes")
+
+    def store_master(self, index: int, shard: torch.Tensor) -> None:
+        for start in range(0, shard.numel(), self.tile_numel):
+            self.write(index, "master", start, shard[start:start + self.tile_numel])
+
+    def step(self, index: int, grad: torch.Tensor, compute_shard: torch.Tensor, hyper: dict[str, Any],
+             grad_scale: float, clip_coef: float) -> None:
+        """One Adam step of group ``index``, tile by tile; the new weights land in ``compute_shard``."""
+        from hf_zero.kernels import fused_adam_
+
+        self.steps[index] += 1
+        beta1, beta2 = hyper["betas"]
+        for start in range(0, self.numels[index], self.tile_numel):
+            stop = min(self.numels[index], start + self.tile_numel)
+            tiles = {s: self._buffers[s][: stop - start] for s in STATES}
+            for state, tile in tiles.items():
+                self.read_into(index, state, start, tile)
+            fused_adam_(
+                tiles["master"], grad[start:stop], tiles["exp_avg"], tiles["exp_avg_sq"],
+                lr=float(hyper["lr"]), beta1=beta1, beta2=beta2, eps=hyper["eps"],
+                weight_decay=hyper["weight_decay"], step=self.steps[index],
+                adamw=hyper.get("decoupled_weight_decay", True), grad_scale=grad_scale, clip_coef=clip_coef,
+            )
+            compute_shard[start:stop].copy_(tiles["master"])
+            for state, tile in tiles.items():
+                self.write(index, state, start, tile)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        shutil.rmtree(self.dir, ignore_errors=True)
