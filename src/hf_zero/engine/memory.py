@@ -77,7 +77,7 @@ _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "KB": 10**3, "MB": 1
 
 def _pick_unit(reports: list[dict[str, int]], unit: str) -> tuple[str, int]:
     if unit == "auto":
-        largest = max((r.get("total", 0) for r in reports), default=0)
+        largest = max((max(r.get("total", 0), r.get("host_total", 0), r.get("nvme", 0)) for r in reports), default=0)
         unit = "GiB" if largest >= 2**30 else "MiB"
     if unit not in _UNITS:
         raise ValueError(f"unit={unit!r} is not one of {['auto', *_UNITS]}")
@@ -89,7 +89,8 @@ def format_memory_table(
 ) -> str:
     """Per-rank ``memory_report()`` dicts (index = rank) as one table: a row per category plus
     the total, a column per rank plus the sum over ranks. Beyond ``max_rank_columns`` ranks the
-    per-rank columns become min / max / mean.
+    per-rank columns become min / max / mean. The offload rows (host categories, ``host_total``,
+    ``nvme``) are shown when some rank has offloaded bytes.
 
     ``unit`` is ``"auto"`` (GiB when a rank holds at least 1 GiB, else MiB, as ``hf-zero
     estimate`` prints), or one of B, KiB, MiB, GiB, KB, MB, GB. ``markdown=True`` gives a pipe
@@ -102,7 +103,11 @@ def format_memory_table(
     header = ["category"] + ([f"rank {r}" for r in range(len(reports))] if per_rank else ["min", "max", "mean"])
     header.append("all ranks")
     rows = [header]
-    for category in (*CATEGORIES, "total"):
+    categories = [*CATEGORIES, "total"]
+    offload = [*HOST_CATEGORIES, "host_total", "nvme"]
+    if any(r.get(k, 0) for r in reports for k in offload):
+        categories += offload
+    for category in categories:
         values = [r.get(category, 0) / scale for r in reports]
         shown = values if per_rank else [min(values), max(values), sum(values) / len(values)]
         rows.append([category] + [f"{v:,.2f}" for v in shown] + [f"{sum(values):,.2f}"])

@@ -318,6 +318,10 @@ def _create_accelerator_and_postprocess(self: Trainer, next_fn: Callable) -> Any
 def _prepare_for_training(self: Trainer, next_fn: Callable, max_steps: int, *args: Any, **kwargs: Any) -> Any:
     if _config_of(self) is not None:
         self.accelerator.hf_zero_config = resolve_zero_config(self.args, self.model, max_steps)
+        # The engine's memory, grad norm, loss scale (and timers) reach the Trainer's logs.
+        from hf_zero.integrations.trainer_logging import install_logging_callback
+
+        install_logging_callback(self)
     return next_fn(max_steps, *args, **kwargs)
 
 
