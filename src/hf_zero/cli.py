@@ -1,4 +1,5 @@
-"""The ``hf-zero`` command: ``demo`` (the main job) and ``check-config``."""
+"""The ``hf-zero`` command: ``demo`` (the main job), ``check-config``, ``export``, ``estimate`` and
+``launch`` (``accelerate launch`` with an ``hf_zero:`` section in its yaml)."""
 
 from __future__ import annotations
 
@@ -80,7 +81,104 @@ def _add_export_and_estimate(sub: argparse._SubParsersAction) -> None:
     estimate.set_defaults(func=_estimate)
 
 
+# [Note: why hf-zero launch exists]
+# ``accelerate launch --config_file x.yaml`` rejects unknown top-level yaml keys and its
+# ``distributed_type`` is a closed enum (research/hf_integration.md section 4), so a yaml cannot
+# carry the ZeRO config. ``hf-zero launch`` takes the ``hf_zero:`` section out, writes the rest
+# to a temporary yaml, puts the section into ``HF_ZERO_*`` environment variables (every launcher
+# copies the environment to its processes; HfZeroPlugin reads them) and runs ``accelerate
+# launch`` with every other argument unchanged. It starts no process itself.
+LAUNCH_OPTIONS = ("--zero_config", "--config_file")
+
+
+def _split_launch_argv(argv: list[str]) -> tuple[dict[str, str], list[str]]:
+    """``--zero_config`` / ``--config_file`` taken from the launcher part of ``argv`` (before the
+    script: the first ``*.py`` token, or the token after ``-m``); the rest unchanged."""
+    options: dict[str, str] = {}
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token.endswith(".py") or token in ("-m", "--module"):
+            rest += argv[i:]
+            break
+        name, eq, value = token.partition("=")
+        if name in LAUNCH_OPTIONS:
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise SystemExit(f"hf-zero launch: {name} needs a value")
+                value, i = argv[i + 1], i + 1
+            options[name.lstrip("-")] = value
+        else:
+            rest.append(token)
+        i += 1
+    return options, rest
+
+
+def _hf_zero_section_env(section: object, yaml_path: str) -> dict[str, str]:
+    """The ``hf_zero:`` yaml section as HF_ZERO_* variables; relative config paths are relative
+    to the yaml's folder."""
+    import os
+
+    from hf_zero.integrations.accelerate import plugin_field_names
+
+    fields = [f for f in plugin_field_names() if f not in ("config", "is_train_batch_min")]
+    if not isinstance(section, dict):
+        raise SystemExit(f"hf-zero launch: {yaml_path}: hf_zero must be a mapping, e.g. hf_zero: {{config_file: zero3.json}}")
+    unknown = sorted(set(section) - {"config_file", *fields})
+    if unknown:
+        raise SystemExit(f"hf-zero launch: {yaml_path}: unknown hf_zero key(s) {unknown}; "
+                         f"expected config_file or one of {fields}")
+    env: dict[str, str] = {}
+    for key, value in section.items():
+        if key == "config_file":
+            env["HF_ZERO_CONFIG"] = os.path.join(os.path.dirname(os.path.abspath(yaml_path)), str(value))
+        else:
+            env["HF_ZERO_STAGE" if key == "zero_stage" else f"HF_ZERO_{key.upper()}"] = str(value).lower() \
+                if isinstance(value, bool) else str(value)
+    return env
+
+
+def _launch(argv: list[str]) -> int:
+    import os
+    import tempfile
+
+    import yaml
+
+    options, rest = _split_launch_argv(argv)
+    env = dict(os.environ)
+    launch = [sys.executable, "-m", "accelerate.commands.launch"]
+    tmp_path = None
+    yaml_path = options.get("config_file")
+    if yaml_path is not None:
+        with open(yaml_path) as f:
+            cluster = yaml.safe_load(f) or {}
+        section = cluster.pop("hf_zero", None)
+        if section is not None:
+            env.update(_hf_zero_section_env(section, yaml_path))
+            with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="hf_zero_accelerate_", delete=False) as tmp:
+                yaml.safe_dump(cluster, tmp)
+            tmp_path = yaml_path = tmp.name
+        launch += ["--config_file", yaml_path]
+    if "zero_config" in options:
+        env["HF_ZERO_CONFIG"] = os.path.abspath(options["zero_config"])
+    if not any(env.get(n) for n in ("HF_ZERO_CONFIG", "HF_ZERO_CONFIG_FILE", "HF_ZERO_STAGE")):
+        print("hf-zero launch: no ZeRO config: add an hf_zero: {config_file: z.json} section to the yaml, "
+              "pass --zero_config z.json, or set HF_ZERO_CONFIG", file=sys.stderr)
+        return 2
+    shown = {k: v for k, v in env.items() if k.startswith("HF_ZERO_")}
+    print("running:", " ".join(f"{k}={v}" for k, v in shown.items()), " ".join(launch + rest), flush=True)
+    try:
+        return subprocess.call(launch + rest, env=env)
+    finally:
+        if tmp_path is not None:
+            os.unlink(tmp_path)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "launch":  # everything after it belongs to accelerate launch or the script
+        return _launch(argv[1:])
     parser = argparse.ArgumentParser(prog="hf-zero", description="hf_zero: ZeRO for Hugging Face")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="a real 2-process ZeRO-3 training run on CPU (extra flags go to hf_zero.demo)")
@@ -90,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("path")
     check.set_defaults(func=_check_config)
     _add_export_and_estimate(sub)
+    launch = sub.add_parser("launch", help="accelerate launch with an hf_zero: section in --config_file "
+                            "(or --zero_config z.json); every other argument goes to accelerate launch")
+    launch.add_argument("accelerate_args", nargs=argparse.REMAINDER)
     args, rest = parser.parse_known_args(argv)
     if rest and args.command != "demo":
         parser.error(f"unrecognized arguments: {' '.join(rest)}")

@@ -13,16 +13,23 @@ subclass. It behaves like Accelerate's DeepSpeed path, without the deepspeed pac
   therefore no-ops, and ``clip_grad_norm_`` returns the global norm the engine computed.
 - ``prepare_model(model, evaluation_mode=True)`` under stage 3 builds an optimizer-less engine
   (ZeRO inference); stages 0-2 evaluate the plain, replicated model.
-- ``get_state_dict`` gathers the full weights on rank 0 (fp32 unless the config asks for 16-bit).
+- ``get_state_dict`` gathers the full weights on rank 0 (fp32 unless the config asks for 16-bit);
+  ``save_model`` writes them with ``save_pretrained`` (a folder ``from_pretrained`` loads).
+- ``save_state`` / ``load_state``: the engine's sharded checkpoint plus Accelerate's RNG and
+  dataloader state; see [Note: save_state under hf_zero].
+- The config comes from ``hf_zero_plugin=HfZeroPlugin(...)`` (hf_zero.integrations.accelerate),
+  ``hf_zero_config=`` (the Trainer integration), or the ``HF_ZERO_*`` environment. Its "auto"
+  values are filled in ``prepare`` from what it sees, as Accelerate's ``_prepare_deepspeed`` does.
 
 Accelerate's own mixed precision is forced to "no": the engine owns precision, as DeepSpeed does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from accelerate import Accelerator
@@ -43,6 +50,9 @@ logger = logging.getLogger("hf_zero")
 
 # The environment variable the runner (and a user) sets to switch hf_zero on: a JSON path or text.
 CONFIG_ENV = "HF_ZERO_CONFIG"
+# The tag save_state gives the engine checkpoint inside its folder (DeepSpeed under Accelerate
+# uses the same ckpt_id).
+ENGINE_CHECKPOINT_TAG = "pytorch_model"
 
 
 class HfZeroOptimizerWrapper(AcceleratedOptimizer):
@@ -107,29 +117,82 @@ class HfZeroAccelerator(Accelerator):
     model's hidden size, and reports anything else left unresolved in one HfZeroConfigError.
     """
 
-    def __init__(self, *args: Any, hf_zero_config: HfZeroConfig | dict | str | None = None, **kwargs: Any) -> None:
-        config = HfZeroConfig(hf_zero_config) if hf_zero_config is not None else config_from_env()
+    def __init__(self, *args: Any, hf_zero_plugin: Any = None,
+                 hf_zero_config: HfZeroConfig | dict | str | None = None, **kwargs: Any) -> None:
+        if hf_zero_plugin is not None and hf_zero_config is not None:
+            raise ValueError("pass either hf_zero_plugin= or hf_zero_config= to HfZeroAccelerator, not both")
+        if hf_zero_config is not None:
+            config: HfZeroConfig | None = HfZeroConfig(hf_zero_config)
+        else:
+            if hf_zero_plugin is None:
+                from hf_zero.integrations.accelerate import plugin_from_env
+
+                hf_zero_plugin = plugin_from_env()
+            config = hf_zero_plugin.hf_zero_config if hf_zero_plugin is not None else None
+        # The precision asked for fills "auto" in fp16/bf16.enabled; Accelerate's own is then
+        # forced to "no" because the engine owns precision (as DeepSpeed does).
+        requested = kwargs.get("mixed_precision") or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+        self._requested_precision = str(getattr(requested, "value", requested))
         if config is not None:
-            kwargs["mixed_precision"] = "no"  # the engine owns precision
+            kwargs["mixed_precision"] = "no"
         super().__init__(*args, **kwargs)
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if config is not None and launched != self.num_processes:
+            raise RuntimeError(
+                f"the launcher started {launched} processes but Accelerate joined {self.num_processes} "
+                f"({self.distributed_type}): on a machine without GPUs pass cpu=True to HfZeroAccelerator "
+                "(or set ACCELERATE_USE_CPU=true) so the processes join over gloo")
+        self.hf_zero_plugin = hf_zero_plugin
+        # [Note: who resolves "auto"] With a plugin (or the environment) this accelerator runs a
+        # custom loop: prepare() fills "auto" from what it sees and keeps Accelerate's
+        # accumulation steps equal to the config's. With hf_zero_config= (the Trainer
+        # integration) the Trainer has resolved the config and counts accumulation itself.
+        self._owns_accumulation = hf_zero_config is None
         self.hf_zero_config: HfZeroConfig | None = config
         self.hf_zero_engine: ZeroEngine | None = None
+        self._warned_max_norm = False
 
     # ------------------------------------------------------------------ prepare
-    def _resolved_config(self, model: nn.Module, inference: bool) -> HfZeroConfig:
+    def _resolved_config(self, model: nn.Module, inference: bool, values: dict[str, Any] | None = None) -> HfZeroConfig:
         config = self.hf_zero_config
         if inference:  # as transformers' deepspeed_init(inference=True): no optimizer, no scheduler
             config = _without_sections(config, ("optimizer", "scheduler"))
-        return config.resolve(world_size=self.num_processes, hidden_size=hidden_size_of(model))
+        resolved = config.resolve(world_size=self.num_processes, hidden_size=hidden_size_of(model), **(values or {}))
+        gas = resolved.gradient_accumulation_steps
+        if self._owns_accumulation and not inference and gas is not None and gas != self.gradient_accumulation_steps:
+            logger.warning("Gradient accumulation steps mismatch: the accelerator has %d, the hf_zero config has "
+                           "%d. Using the hf_zero config's value.", self.gradient_accumulation_steps, gas)
+            self.gradient_accumulation_steps = gas
+        return resolved
+
+    def _auto_values(self, args: tuple[Any, ...], optimizer: Any, scheduler: Any) -> dict[str, Any]:
+        """What fills the config's "auto" keys, as Accelerate's ``_prepare_deepspeed`` does: the
+        dataloaders' batch size, the accelerator's accumulation steps and precision, clipping 1.0,
+        and DummyOptim / DummyScheduler hyper-parameters."""
+        values: dict[str, Any] = {
+            "gradient_accumulation_steps": self.gradient_accumulation_steps, "gradient_clipping": 1.0,
+            "fp16": self._requested_precision == "fp16", "bf16": self._requested_precision == "bf16",
+        }
+        sizes = [a.batch_size for a in args if isinstance(a, DataLoader) and a.batch_size is not None]
+        if sizes:
+            sizes = [s // self.num_processes for s in sizes] if self.split_batches else sizes
+            min_batch = getattr(self.hf_zero_plugin, "is_train_batch_min", True)
+            values["train_micro_batch_size_per_gpu"] = min(sizes) if min_batch else max(sizes)
+        if isinstance(optimizer, DummyOptim):
+            values.update(lr=optimizer.lr, weight_decay=optimizer.weight_decay)
+            if isinstance(scheduler, DummyScheduler):
+                values.update(warmup_min_lr=0, warmup_max_lr=optimizer.lr,
+                              warmup_num_steps=scheduler.warmup_num_steps, total_num_steps=scheduler.total_num_steps)
+        return values
 
     def _build_engine(self, model: nn.Module, optimizer: Any = None, scheduler: Any = None,
-                      inference: bool = False) -> ZeroEngine:
+                      inference: bool = False, values: dict[str, Any] | None = None) -> ZeroEngine:
         existing = engine_of(model)
         if existing is not None and (existing.optimizer is not None or inference):
             return self._track(existing)
         if existing is not None:
             release_engine(existing)  # an evaluation-only engine makes way for a training one
-        config = self._resolved_config(model, inference)
+        config = self._resolved_config(model, inference, values)
         torch_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
         if isinstance(optimizer, DummyOptim) and config.optimizer is None:
             raise ValueError(
@@ -197,7 +260,8 @@ class HfZeroAccelerator(Accelerator):
             raise NotImplementedError("HfZeroAccelerator.prepare takes at most one optimizer and one scheduler")
         optimizer = result[optimizers[0]] if optimizers else None
         scheduler = result[schedulers[0]] if schedulers else None
-        engine = self._build_engine(result[model_index], optimizer, scheduler)
+        values = self._auto_values(tuple(result), optimizer, scheduler) if self._owns_accumulation else None
+        engine = self._build_engine(result[model_index], optimizer, scheduler, values=values)
         result[model_index] = engine
         wrapped_optimizer = self._wrap_optimizer(engine)
         if optimizers:
@@ -246,6 +310,12 @@ class HfZeroAccelerator(Accelerator):
         engine = self.hf_zero_engine
         if engine is None or engine.optimizer is None:
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
+        configured = engine.config.gradient_clipping
+        if not self._warned_max_norm and configured and abs(float(max_norm) - configured) > 1e-12:
+            self._warned_max_norm = True
+            logger.warning("clip_grad_norm_(max_norm=%g): the hf_zero engine clips with the config's "
+                           "gradient_clipping=%g during its step (as DeepSpeed does); set HfZeroPlugin"
+                           "(gradient_clipping=...) or the config to change it", max_norm, configured)
         norm = engine.get_global_grad_norm()
         return None if norm is None else torch.tensor(norm)
 
@@ -268,3 +338,76 @@ class HfZeroAccelerator(Accelerator):
         # train()); only the accelerator's references go.
         self.hf_zero_engine = None
         return super().free_memory(*objects)
+
+    def save_model(self, model: nn.Module, save_directory: str | os.PathLike[str], max_shard_size: int | str = "10GB",
+                   safe_serialization: bool = True) -> None:
+        """A folder ``from_pretrained`` loads (config and full weights) for a Hugging Face model
+        under hf_zero; collective. Other models take Accelerate's path (weights only)."""
+        engine = engine_of(model)
+        if engine is None:
+            return super().save_model(model, save_directory, max_shard_size=max_shard_size,
+                                      safe_serialization=safe_serialization)
+        state_dict = self.get_state_dict(engine)
+        module = engine.module
+        if self.is_main_process and hasattr(module, "save_pretrained"):
+            module.save_pretrained(save_directory, state_dict=state_dict, max_shard_size=max_shard_size,
+                                   safe_serialization=safe_serialization)
+        elif self.is_main_process:  # not a transformers model: the full weights, sharded by size
+            from huggingface_hub import save_torch_state_dict
+
+            save_torch_state_dict(state_dict, save_directory, max_shard_size=max_shard_size,
+                                  safe_serialization=safe_serialization)
+        self.wait_for_everyone()
+
+    # ------------------------------------------------------------------ checkpoints
+    # [Note: save_state under hf_zero]
+    # As under DeepSpeed, the engine writes the model, optimizer and its scheduler itself
+    # (``engine.save_checkpoint(dir, tag="pytorch_model")``: a sharded checkpoint every rank
+    # writes and that loads at any world size). Accelerate's own save_state then runs with the
+    # engine's model, optimizer and schedulers hidden, so it still writes the RNG states, the
+    # dataloader samplers, registered objects and the step counter, and runs its naming and
+    # rotation (``ProjectConfiguration``). Loading reverses it, RNG last.
+    def _hidden_engine_objects(self) -> tuple[list[Any], list[Any], list[Any]]:
+        engine_models = [m for m in self._models if isinstance(m, ZeroEngine)]
+        engine_optimizers = [o for o in self._optimizers if isinstance(o, HfZeroOptimizerWrapper)]
+        engine_schedulers = [s for s in self._schedulers if isinstance(s, HfZeroSchedulerWrapper)]
+        return engine_models, engine_optimizers, engine_schedulers
+
+    @contextlib.contextmanager
+    def _without_engine_objects(self) -> Iterator[None]:
+        saved = (self._models, self._optimizers, self._schedulers)
+        models, optimizers, schedulers = self._hidden_engine_objects()
+        self._models = [m for m in saved[0] if m not in models]
+        self._optimizers = [o for o in saved[1] if o not in optimizers]
+        self._schedulers = [s for s in saved[2] if s not in schedulers]
+        try:
+            yield
+        finally:
+            self._models, self._optimizers, self._schedulers = saved
+
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> str:
+        engines = self._hidden_engine_objects()[0]
+        if self.hf_zero_config is None or not engines:
+            return super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
+        if len(engines) > 1:
+            raise NotImplementedError("HfZeroAccelerator.save_state with more than one hf_zero engine")
+        with self._without_engine_objects():
+            location = super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
+        engines[0].save_checkpoint(location, tag=ENGINE_CHECKPOINT_TAG)
+        self.wait_for_everyone()
+        return location
+
+    def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any) -> None:
+        engines = self._hidden_engine_objects()[0]
+        if self.hf_zero_config is None or not engines:
+            return super().load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
+        if input_dir is None:
+            raise NotImplementedError(
+                "HfZeroAccelerator.load_state needs the checkpoint folder: pass the directory save_state returned")
+        if not os.path.isdir(os.path.join(input_dir, ENGINE_CHECKPOINT_TAG)):
+            raise FileNotFoundError(
+                f"{input_dir} holds no hf_zero engine checkpoint ({ENGINE_CHECKPOINT_TAG}/): was it written by "
+                "HfZeroAccelerator.save_state? A plain Accelerate checkpoint cannot resume a ZeRO run")
+        engines[0].load_checkpoint(input_dir, tag=ENGINE_CHECKPOINT_TAG)
+        with self._without_engine_objects():
+            super().load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
