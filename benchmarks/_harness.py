@@ -51,6 +51,14 @@ def _timed_call_host(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
+def spread(samples: Sequence[float], warmup: int = 0) -> Timing:
+    """Median, p20, p80 and min of samples timed elsewhere (a subprocess, another rank), in the
+    same ``Timing`` shape ``measure`` returns. ``warmup`` records how many were dropped before."""
+    if not samples:
+        raise ValueError("spread() needs at least one sample")
+    return _timing(list(samples), warmup)
+
+
 def _timing(samples: list[float], warmup: int) -> Timing:
     if len(samples) == 1:
         p20 = p80 = samples[0]
@@ -110,11 +118,14 @@ def _version(package: str) -> str | None:
         return None
 
 
-def environment() -> dict[str, object]:
+def environment(extra_packages: Sequence[str] = ()) -> dict[str, object]:
+    """Versions and machine state; ``extra_packages`` adds their installed versions (None when
+    absent), read from package metadata without importing them."""
     return {
         "torch": torch.__version__,
         "triton": _version("triton"),
         "hf_zero": _version("hf-zero"),
+        **{package: _version(package) for package in extra_packages},
         "python": platform.python_version(),
         "platform": platform.platform(),
         # A shared machine's other load is the first suspect when CPU numbers move between runs.

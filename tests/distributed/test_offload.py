@@ -131,8 +131,12 @@ NVME_SCRIPT = textwrap.dedent("""
 def _nvme_run(mode: str, nvme_path: str) -> dict[str, Any]:
     import json
 
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    # glibc raises its mmap threshold after large frees, after which freed buffers stay in the
+    # heap and peak RSS depends on allocation history; a fixed threshold makes it repeatable.
+    env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     done = subprocess.run([sys.executable, "-c", NVME_SCRIPT, mode, nvme_path], capture_output=True, text=True,
-                          timeout=300, env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")})
+                          timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -119,7 +119,9 @@ def _peak_increase_mb(model_dir: str, mode: str, tmp_path) -> float:
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
          str(script), model_dir, mode],
-        capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        capture_output=True, text=True, timeout=300,
+        # A fixed glibc mmap threshold makes peak RSS independent of allocation history.
+        env=dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536"))
     assert done.returncode == 0, done.stderr[-3000:]
     import json
 
