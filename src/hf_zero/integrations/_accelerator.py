@@ -35,7 +35,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.scheduler import AcceleratedScheduler
-from accelerate.utils import DummyOptim, DummyScheduler
+# accelerate.utils exports these only when deepspeed is installed; the module defines them always.
+from accelerate.utils.deepspeed import DummyOptim, DummyScheduler
 from torch import nn
 from torch.utils.data import DataLoader
 

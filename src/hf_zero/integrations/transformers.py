@@ -43,7 +43,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-from accelerate.utils import DummyOptim
+# accelerate.utils exports this only when deepspeed is installed; the module defines it always.
+from accelerate.utils.deepspeed import DummyOptim
 from transformers import Seq2SeqTrainer, Trainer, TrainingArguments
 from transformers import trainer as trainer_module
 
