@@ -50,10 +50,24 @@ def hf_zero_resolution(config: dict[str, Any], training_args: dict[str, Any], hi
     return resolve_zero_config(args, _model(hidden_size), steps).to_dict()
 
 
+def transformers_reference_unavailable() -> str | None:
+    """Why transformers' own DeepSpeed config code cannot run here, or None. Without the
+    deepspeed package transformers swaps its base class for ``object`` (a stub)."""
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+    if hasattr(HfTrainerDeepSpeedConfig, "set_stage_and_offload"):
+        return None
+    return ("transformers' HfTrainerDeepSpeedConfig is a stub without the deepspeed package, so its "
+            "resolution cannot be run as the reference (install deepspeed to compare)")
+
+
 def transformers_resolution(config: dict[str, Any], training_args: dict[str, Any], hidden_size: int,
                             steps: int) -> dict[str, Any]:
     """transformers + Accelerate, as a ``--deepspeed`` Trainer run fills the config. Returns
-    ``{"config": ...}`` or ``{"error": ..., "mismatches": [...]}``."""
+    ``{"config": ...}``, ``{"error": ..., "mismatches": [...]}`` or ``{"unavailable": why}``."""
+    reason = transformers_reference_unavailable()
+    if reason is not None:
+        return {"unavailable": reason}
     from accelerate.utils import DeepSpeedPlugin
     from accelerate.utils.deepspeed import HfDeepSpeedConfig as AccelerateHfDeepSpeedConfig
     from transformers import TrainingArguments

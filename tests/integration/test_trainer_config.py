@@ -42,7 +42,10 @@ def _documented_differences(theirs: dict[str, Any]) -> dict[str, Any]:
 def test_research_example_resolves_as_transformers_does(tmp_path: Path) -> None:
     args = _args(tmp_path)
     ours = hf_zero_resolution(AUTO_EXAMPLE, args, EXAMPLE_HIDDEN, EXAMPLE_STEPS)
-    theirs = transformers_resolution(AUTO_EXAMPLE, args, EXAMPLE_HIDDEN, EXAMPLE_STEPS)["config"]
+    theirs = transformers_resolution(AUTO_EXAMPLE, args, EXAMPLE_HIDDEN, EXAMPLE_STEPS)
+    if "unavailable" in theirs:
+        pytest.skip(theirs["unavailable"])
+    theirs = theirs["config"]
     if RESEARCH_JSON.exists():  # transformers' code still gives the research file's answer
         assert theirs == json.loads(RESEARCH_JSON.read_text())
     assert ours == _documented_differences(theirs)
@@ -64,6 +67,8 @@ def test_four_mismatches_are_named_together_when_arguments_are_built(tmp_path: P
         assert field in message
     # transformers finds the same four, but only at train time.
     theirs = transformers_resolution(config, _args(tmp_path), EXAMPLE_HIDDEN, EXAMPLE_STEPS)
+    if "unavailable" in theirs:
+        pytest.skip(theirs["unavailable"])
     assert {line.split("=")[0].removeprefix("- ds ") for line in theirs["mismatches"]} == expected
 
 

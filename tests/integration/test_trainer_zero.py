@@ -166,6 +166,8 @@ def test_resume_from_checkpoint_reproduces_the_loss_curve(trainer_runs: dict[str
 
 def test_resolution_at_world_size_two(trainer_runs: dict[str, Any]) -> None:
     run = _job(trainer_runs, "resolve-world2")
+    if "unavailable" in run["transformers"]:
+        pytest.skip(run["transformers"]["unavailable"])
     expected = run["transformers"]["config"]
     expected["amp"]["enabled"] = False  # the two documented differences (see test_trainer_config)
     expected.pop("steps_per_print")
