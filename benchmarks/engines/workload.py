@@ -14,6 +14,9 @@ from typing import Any
 
 import torch
 
+# The same learnable data as the README's main job (hf-zero demo): one definition.
+from hf_zero.demo import markov_batch, markov_successors
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -89,22 +92,6 @@ def build_model(workload: Workload) -> torch.nn.Module:
 def count_params(model: torch.nn.Module) -> int:
     """Ψ: parameters counted once (the tied embedding once)."""
     return sum(p.numel() for p in model.parameters())
-
-
-def markov_successors(vocab: int, seed: int) -> torch.Tensor:
-    """Each token's 4 possible successors: a chain the model can learn (loss ln(vocab) -> ln 4)."""
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (vocab, 4), generator=generator)
-
-
-def markov_batch(successors: torch.Tensor, rows: int, seq: int, seed: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    tokens = torch.empty(rows, seq, dtype=torch.long)
-    tokens[:, 0] = torch.randint(0, successors.shape[0], (rows,), generator=generator)
-    choice = torch.randint(0, 4, (rows, seq), generator=generator)
-    for t in range(1, seq):
-        tokens[:, t] = successors[tokens[:, t - 1], choice[:, t]]
-    return tokens
 
 
 def batch_seed(seed: int, rank: int, step: int) -> int:
