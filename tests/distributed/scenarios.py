@@ -32,7 +32,7 @@ def make_config(sc: dict[str, Any]) -> dict[str, Any]:
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": sc["micro"],
         "gradient_accumulation_steps": sc["gas"],
-        "gradient_clipping": CLIP,
+        "gradient_clipping": sc.get("clip", CLIP),
         # Tiny models: every parameter would sit under DeepSpeed's default persistence threshold
         # (1e5 elements), so stage 3 would shard nothing; tests that want persistence set it.
         "zero_optimization": {"stage": sc["stage"], "stage3_param_persistence_threshold": 0, **sc["zero"]},
@@ -77,7 +77,8 @@ def train_engine(sc: dict[str, Any]) -> dict[str, Any]:
             lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
     engine, _, _, _ = hf_zero.initialize(model=model, config=make_config(sc), **kwargs)
     world, rank, gas, micro = engine.world_size, engine.rank, sc["gas"], sc["micro"]
-    losses, comm_per_step = [], []
+    losses, comm_per_step, overlap_per_step = [], [], []
+    overlapped = getattr(engine.optimizer, "overlapped", None)
     for step in range(sc["steps"]):
         engine.reset_comm_stats()
         batch = batch_for_step(step, world * gas * micro)
@@ -90,11 +91,16 @@ def train_engine(sc: dict[str, Any]) -> dict[str, Any]:
             step_losses.append(loss.item())
         losses.append(step_losses)
         comm_per_step.append(engine.comm_stats())
+        if overlapped is not None:  # [Note: overlapped offload step]: did a step start in backward?
+            first = overlapped.last_first_submit_s
+            overlap_per_step.append({"groups": overlapped.overlapped_groups,
+                                     "started_in_backward": first is not None and first < engine._last_backward_end_s})
     return {
         "losses": losses,
         "params": full_params(engine),
         "memory": engine.memory_report(),
         "comm_per_step": comm_per_step,
+        "overlap_per_step": overlap_per_step if overlapped is not None else None,
         "layout": [{k: g[k] for k in ("unit", "trainable", "persistent", "numel", "padded_numel", "world_size")}
                    for g in engine.layout()],
         "buffer_bytes": sum(b.numel() * b.element_size() for b in engine.module.buffers()),

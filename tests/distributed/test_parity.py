@@ -33,6 +33,10 @@ EXTRA = {
     "overlap_s2": S.scenario("llama", 2, 2, zero={"overlap_comm": True}),
     "no_overlap_s3": S.scenario("gpt2", 3, 2, zero={"overlap_comm": False}),
     "max_live_s3": S.scenario("gpt2", 3, 1, zero={"stage3_max_live_parameters": 1}),
+    "no_reuse_s3": S.scenario("llama", 3, 2, zero={"stage3_max_reuse_distance": 0}),
+    "buckets_s2": S.scenario("gpt2", 2, 2, zero={"reduce_bucket_size": 3000, "allgather_bucket_size": 3000}),
+    "one_bucket_s3": S.scenario("llama", 3, 1, zero={"reduce_bucket_size": 10**9, "overlap_comm": True}),
+    "no_buckets_s1": S.scenario("gpt2", 1, 1, zero={"reduce_bucket_size": 0, "allgather_bucket_size": 0}),
     "bert_s3": S.scenario("bert", 3, 1),
 }
 BF16 = {f"bf16_s{stage}": S.scenario("gpt2", stage, 2, dtype="bf16") for stage in (0, 1, 2, 3)}
@@ -147,7 +151,10 @@ def test_bf16_memory_report_equals_zero_formula(runs, stage):
 
 
 # ------------------------------------------------------------------ communication
-def _expected_comm(layout: list[dict[str, Any]], stage: int, gas: int) -> dict[str, int]:
+def _expected_comm(layout: list[dict[str, Any]], stage: int, gas: int, step: int, reuse: bool) -> dict[str, int]:
+    """Elements per step. Stage 3 gathers each sharded unit for its forward and, unless it was
+    kept (the reuse distance, from the second micro-step on: the order is recorded by then),
+    again for its backward."""
     trainable = sum(g["padded_numel"] for g in layout if g["trainable"])
     if stage == 0:
         return {"all_reduce": trainable}
@@ -155,21 +162,53 @@ def _expected_comm(layout: list[dict[str, Any]], stage: int, gas: int) -> dict[s
         return {"reduce_scatter": trainable * (gas if stage == 2 else 1), "all_gather": trainable}
     sharded = sum(g["padded_numel"] for g in layout if not g["persistent"])
     persistent = sum(g["padded_numel"] for g in layout if g["persistent"] and g["trainable"])
-    return {"reduce_scatter": trainable * gas, "all_gather": 2 * sharded * gas + persistent}
+    regathers = gas if not reuse else (1 if step == 0 else 0)
+    return {"reduce_scatter": trainable * gas, "all_gather": sharded * (gas + regathers) + persistent}
 
 
-@pytest.mark.parametrize("sc", PARITY + [EXTRA["persistent_s3"], EXTRA["frozen_s3"], EXTRA["checkpointing_s3"]],
+COMM_SCENARIOS = PARITY + [EXTRA[k] for k in ("persistent_s3", "frozen_s3", "checkpointing_s3", "no_reuse_s3",
+                                              "buckets_s2", "one_bucket_s3", "no_buckets_s1")]
+
+
+@pytest.mark.parametrize("sc", COMM_SCENARIOS,
                          ids=lambda s: f"{s['model']}-stage{s['stage']}-gas{s['gas']}-{s['zero'] or s['freeze'] or s['checkpointing']}")
 def test_comm_volume_per_step(runs, sc):
     world, results = _result(runs, sc)
     layout = results[0]["layout"]
-    expected = _expected_comm(layout, sc["stage"], sc["gas"])
-    for step_stats in results[0]["comm_per_step"]:
+    reuse = sc["zero"].get("stage3_max_reuse_distance", 1) > 0
+    for step, step_stats in enumerate(results[0]["comm_per_step"]):
+        expected = _expected_comm(layout, sc["stage"], sc["gas"], step, reuse)
         moved = {k: v["numel"] for k, v in step_stats.items() if k != "all_reduce" or sc["stage"] == 0}
         assert moved == expected
         if sc["stage"] > 0:  # the global grad norm (and non-finite flag): 2 elements
             assert step_stats["all_reduce"] == {"calls": 1, "numel": 2, "bytes": 8}
     if sc["gas"] == 1 and not sc["zero"] and not sc["freeze"]:
         psi = sum(g["padded_numel"] for g in layout)
-        total = sum(expected.values())
-        assert total == {0: 1, 1: 2, 2: 2, 3: 3}[sc["stage"]] * psi
+        first, last = (sum(_expected_comm(layout, sc["stage"], 1, step, True).values()) for step in (0, 1))
+        # ZeRO's volumes: Ψ (stage 0), 2Ψ (stages 1-2), 3Ψ (stage 3) with a re-gather for the
+        # backward, 2Ψ once the reuse distance keeps the forward's gathers.
+        assert first == {0: 1, 1: 2, 2: 2, 3: 3}[sc["stage"]] * psi
+        assert last == {0: 1, 1: 2, 2: 2, 3: 2}[sc["stage"]] * psi
+
+
+def _collective_calls(step_stats: dict[str, dict[str, int]], kind: str) -> int:
+    return step_stats.get(kind, {}).get("calls", 0)
+
+
+def test_small_units_share_a_bucket(runs):
+    """reduce_bucket_size / allgather_bucket_size: small groups go out together, one
+    collective per bucket; 0 means one collective per group (see [Note: buckets])."""
+    world, _ = runs
+    per_group = _result(runs, EXTRA["no_buckets_s1"])[1][0]
+    groups = sum(1 for g in per_group["layout"] if g["trainable"])
+    last = per_group["comm_per_step"][-1]
+    assert _collective_calls(last, "reduce_scatter") == groups
+    assert _collective_calls(last, "all_gather") == groups
+    default = _result(runs, S.scenario("gpt2", 1, 1))[1][0]["comm_per_step"][-1]  # 5e8: one bucket
+    assert _collective_calls(default, "reduce_scatter") == 1
+    assert _collective_calls(default, "all_gather") == 1
+    small = _result(runs, EXTRA["buckets_s2"])[1][0]
+    calls = _collective_calls(small["comm_per_step"][-1], "reduce_scatter")
+    assert 2 * 1 < calls < 2 * sum(1 for g in small["layout"] if g["trainable"])  # gas 2: two backward
+    one = _result(runs, EXTRA["one_bucket_s3"])[1][0]["comm_per_step"][-1]
+    assert _collective_calls(one, "reduce_scatter") == 1

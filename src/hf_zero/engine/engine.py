@@ -55,6 +55,7 @@ class ZeroEngine(nn.Module):
         self._boundary_override: bool | None = None
         self._step_applied = False
         self._last_step_time_s: float | None = None
+        self._last_backward_end_s: float | None = None
         self._last_loss: torch.Tensor | None = None
         self._window_start = time.perf_counter()
         # wall_clock_breakdown: None when off, so the hot path makes no timer calls at all.
@@ -62,13 +63,18 @@ class ZeroEngine(nn.Module):
         self.protocol = UnitProtocol(
             units,
             stage=self.stage,
+            comm=comm,
             reduce_dtype=config.reduce_dtype,
             prefetch_numel=int(config.zero.stage3_prefetch_bucket_size) if self.stage == 3 else 0,
             max_live_numel=int(config.zero.stage3_max_live_parameters),
             is_boundary=self.is_gradient_accumulation_boundary,
             overlap_comm=bool(config.zero.overlap_comm) and self.stage >= 2,
             timers=self._timers,
+            reduce_bucket_numel=int(config.zero.reduce_bucket_size),
+            max_reuse_numel=int(config.zero.stage3_max_reuse_distance) if self.stage == 3 else 0,
         )
+        if optimizer is not None and optimizer.overlapped is not None:
+            self.protocol.on_grads_final = optimizer.overlapped.submit
         self.protocol.install()
 
     # ------------------------------------------------------------------ identity
@@ -147,6 +153,7 @@ class ZeroEngine(nn.Module):
                 scaled.backward(retain_graph=retain_graph)
             finally:
                 self._timers.stop("backward")
+        self._last_backward_end_s = time.perf_counter()
         self._last_loss = loss.detach()
         return loss
 
@@ -163,6 +170,7 @@ class ZeroEngine(nn.Module):
             start = time.perf_counter()
             if self._timers is not None:
                 self._timers.start("step")
+            self.protocol.release_all()  # a unit kept gathered would go stale
             self.optimizer.step()
             self._step_applied = not self.optimizer.overflow
             if self._step_applied and self.lr_scheduler is not None:

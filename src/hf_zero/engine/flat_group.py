@@ -288,9 +288,15 @@ class FlatParamGroup:
         if pending.handle is not None:
             pending.handle.wait()
         if self.grad_shard is not None and self.grad_shard.data_ptr() != pending.received.data_ptr():
-            self.grad_shard.add_(pending.received.to(self.grad_shard.device, non_blocking=True))
+            self.accumulate_grad_shard(pending.received)
         if self.stage != 0:
             self.release_grads()
+
+    def accumulate_grad_shard(self, reduced: torch.Tensor) -> None:
+        """Add this rank's reduced part of the gradients (any dtype, any device) into the fp32
+        gradient shard: micro-steps of an accumulation add up there."""
+        shard = self._ensure_grad_shard()
+        shard.add_(reduced.to(shard.device, non_blocking=True))
 
     def release_grads(self) -> None:
         if self.grad_full is None:

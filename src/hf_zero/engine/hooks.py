@@ -5,20 +5,37 @@
   of the recorded forward order, up to ``stage3_prefetch_bucket_size`` elements.
 - post_forward (module forward hook): stage 3 frees the unit, unless autograd is running (then
   this forward is an activation-checkpointing recompute inside the unit's backward, which is
-  about to need the parameters). Hooks go on the unit's output tensors so that the first gradient
-  reaching them announces the unit's backward.
+  about to need the parameters) or the unit is reused soon (see [Note: reuse distance]). Hooks
+  go on the unit's output tensors so that the first gradient reaching them announces the unit's
+  backward.
 - pre_backward (first output-gradient hook of the unit in this backward): stage 3 gathers the
-  unit again and prefetches the unit that runs backward next; every stage binds ``.grad`` views.
-- post_backward (when the last trainable parameter's gradient has been accumulated): stages 2-3
-  reduce-scatter the unit's gradients into the fp32 shard and free the full gradients; stage 3
-  frees the parameters. With ``overlap_comm`` the reduce-scatter is asynchronous and overlaps
-  the backward of the units before it; at most one unit's reduction is in flight: the next
-  post_backward (or finish_backward) finishes it first, so memory stays bounded by two units'
-  full gradients.
+  unit again (a no-op when it was kept) and prefetches the unit that runs backward next; every
+  stage binds ``.grad`` views.
+- post_backward (when the last trainable parameter's gradient has been accumulated): stage 3
+  frees the parameters; stages 2-3 put the unit's groups in the open gradient bucket, and a full
+  bucket is reduce-scattered into the fp32 shards (hf_zero.engine.buckets, [Note: buckets]).
+  With ``overlap_comm`` that reduce-scatter is asynchronous and overlaps the backward of the
+  units before it; at most one bucket is in flight: the next flush (or finish_backward)
+  finishes it first, so memory stays bounded by two buckets.
 - finish_backward (queued on the autograd engine at the first pre_backward, so it runs once
-  the whole backward is done): reduces what the hooks did not (unused parameters, frozen units,
-  stages 0-1 at the accumulation boundary) in the fixed unit order so every rank issues the same
-  collectives, frees what is still gathered, and records the forward order for prefetching.
+  the whole backward is done): reduces what the hooks did not (the last partial bucket, unused
+  parameters, frozen units, stages 0-1 at the accumulation boundary) in the fixed unit order so
+  every rank issues the same collectives, frees what is still gathered, and records the forward
+  order for prefetching.
+- At the accumulation boundary, each group whose fp32 gradient shard is final is announced to
+  ``on_grads_final`` (the offloaded optimizer starts its CPU step there, overlapping the
+  backward still running).
+
+[Note: reuse distance]
+DeepSpeed's ``stage3_max_reuse_distance``: a unit is kept gathered after its forward when its
+next use, its own backward, comes within that many gathered elements. On the recorded order, the
+elements gathered between a unit's forward and its backward are twice those of the units after
+it (each runs forward, then backward, before this one's backward). Kept units skip the re-gather,
+so stage 3 moves 2Ψ instead of 3Ψ per step, at the cost of holding those parameters; a unit is
+only kept while the gathered elements stay within ``stage3_max_live_parameters``. Nothing is kept
+before the order is recorded (the first step), without autograd (evaluation), or with a distance
+of 0. Whatever is still gathered is freed at the end of backward, and before every optimizer
+step (an update makes a gathered copy stale).
 - With ``wall_clock_breakdown``, each gather (with its wait and the prefetches it starts) runs
   under the ``gather`` timer and each reduction under ``reduce`` (hf_zero.engine.timers).
 """
@@ -30,6 +47,9 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from hf_zero.comm import Communicator
+from hf_zero.engine.buckets import GradBucket, PendingBucket, finish_bucket, start_bucket
+from hf_zero.engine.flat_group import FlatParamGroup
 from hf_zero.engine.timers import PhaseTimers
 from hf_zero.engine.unit import ZeroUnit
 
@@ -57,26 +77,35 @@ class UnitProtocol:
         self,
         units: list[ZeroUnit],
         stage: int,
+        comm: Communicator,
         reduce_dtype: torch.dtype,
         prefetch_numel: int,
         max_live_numel: int,
         is_boundary: Callable[[], bool],
         overlap_comm: bool = False,
         timers: PhaseTimers | None = None,
+        reduce_bucket_numel: int = 0,
+        max_reuse_numel: int = 0,
     ) -> None:
         self.units = units
         self.stage = stage
+        self.comm = comm
         self.reduce_dtype = reduce_dtype
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
+        self.max_reuse_numel = max_reuse_numel
         self.overlap_comm = overlap_comm
         self.timers = timers  # wall_clock_breakdown; None when off
-        self.in_flight: tuple[ZeroUnit, list] | None = None
+        self.bucket = GradBucket(reduce_bucket_numel)
+        self.in_flight: PendingBucket | None = None
         self.is_boundary = is_boundary
+        # Called with groups whose fp32 gradient shard is final at the accumulation boundary.
+        self.on_grads_final: Callable[[list[FlatParamGroup]], None] | None = None
         self.handles: list[RemovableHandle] = []
         self.finish_queued = False
         self.forward_order: list[ZeroUnit] = []  # recorded on the previous forward
         self.position: dict[int, int] = {}
+        self.numel_after: dict[int, int] = {}  # unit index -> sharded elements after it in order
         self.current_order: list[ZeroUnit] = []
         for unit in units:
             unit.reset_backward_state()
@@ -124,6 +153,8 @@ class UnitProtocol:
         if _in_backward():  # an activation-checkpointing recompute: gather, no prefetch
             self._timed("gather", self._gather, unit, 0)
             return
+        if unit is self.units[-1]:  # the root: a new forward starts
+            self.current_order = []
         if unit.sharded_numel:
             self.current_order.append(unit)
         self._timed("gather", self._gather, unit, 1)
@@ -148,7 +179,7 @@ class UnitProtocol:
             self.timers.stop(phase)
 
     def post_forward(self, unit: ZeroUnit, output: Any) -> None:
-        if self.stage == 3 and not _in_backward():
+        if self.stage == 3 and not _in_backward() and not self._keep_for_backward(unit):
             unit.reshard()
         if not torch.is_grad_enabled():
             return
@@ -177,39 +208,81 @@ class UnitProtocol:
     def post_backward(self, unit: ZeroUnit) -> None:
         if self.stage == 3:
             unit.reshard()  # parameters are no longer needed; the gradients may still be in flight
-        self._timed("reduce", self._reduce, unit)
+        unit.grads_reduced = True
+        if self.bucket.add(unit.groups):
+            self._timed("reduce", self._flush, self.overlap_comm)
 
-    def _reduce(self, unit: ZeroUnit) -> None:
-        if not self.overlap_comm:
-            unit.reduce_grads(self.reduce_dtype)
-            return
+    def _flush(self, async_op: bool) -> None:
+        """Reduce-scatter the open bucket; asynchronously, after finishing the one in flight."""
         self._finish_in_flight()
-        self.in_flight = (unit, unit.start_reduce(self.reduce_dtype, async_op=True))
+        pending = start_bucket(self.bucket.take(), self.comm, self.reduce_dtype, async_op)
+        if pending is None:
+            return
+        if async_op:
+            self.in_flight = pending
+        else:
+            self._finish(pending)
 
     def _finish_in_flight(self) -> None:
         if self.in_flight is not None:
-            unit, pending = self.in_flight
-            self.in_flight = None
-            unit.finish_reduce(pending)
+            pending, self.in_flight = self.in_flight, None
+            self._finish(pending)
+
+    def _finish(self, pending: PendingBucket) -> None:
+        finish_bucket(pending)
+        if self.on_grads_final is not None and self.is_boundary():
+            self.on_grads_final([g for g in pending.groups if g.grad_shard is not None])
 
     def finish_backward(self) -> None:
         self.finish_queued = False
-        if self.in_flight is not None:
-            self._timed("reduce", self._finish_in_flight)
-        reduce_now = self.stage >= 2 or self.is_boundary()
+        if self.stage == 0:
+            if self.is_boundary():
+                for unit in self.units:
+                    if unit.trainable_params:
+                        self._timed("reduce", unit.reduce_grads, self.reduce_dtype)
+        else:
+            reduce_now = self.stage >= 2 or self.is_boundary()
+            for unit in self.units:
+                if reduce_now and unit.trainable_params and not unit.grads_reduced:
+                    unit.grads_reduced = True
+                    if self.bucket.add(unit.groups):
+                        self._timed("reduce", self._flush, False)
+            self._timed("reduce", self._flush, False)
         for unit in self.units:
-            if reduce_now and unit.trainable_params and not unit.grads_reduced:
-                self._timed("reduce", unit.reduce_grads, self.reduce_dtype)
             if self.stage == 3:
                 unit.reshard()
             unit.reset_backward_state()
         self._record_order()
+
+    def release_all(self) -> None:
+        """Free every gathered stage-3 unit (before an optimizer step; see [Note: reuse distance])."""
+        if self.stage == 3:
+            for unit in self.units:
+                unit.reshard()
+
+    # ------------------------------------------------------------------ reuse
+    def _keep_for_backward(self, unit: ZeroUnit) -> bool:
+        """Whether ``unit`` stays gathered until its backward: [Note: reuse distance]."""
+        if self.max_reuse_numel <= 0 or not torch.is_grad_enabled() or not unit.sharded_numel:
+            return False
+        after = self.numel_after.get(unit.index)
+        if after is None or 2 * after >= self.max_reuse_numel:
+            return False
+        return self._live_numel() <= self.max_live_numel
+
+    def _live_numel(self) -> int:
+        return sum(u.sharded_numel for u in self.units if u.is_unsharded)
 
     # ------------------------------------------------------------------ prefetch
     def _record_order(self) -> None:
         if self.current_order and self.current_order != self.forward_order:
             self.forward_order = list(self.current_order)
             self.position = {u.index: i for i, u in enumerate(self.forward_order)}
+            self.numel_after = {}
+            after = 0
+            for upcoming in reversed(self.forward_order):
+                self.numel_after.setdefault(upcoming.index, after)
+                after += upcoming.sharded_numel
         self.current_order = []
 
     def _prefetch(self, unit: ZeroUnit, step: int) -> None:
@@ -222,7 +295,7 @@ class UnitProtocol:
         if self.prefetch_numel <= 0 or unit.index not in self.position:
             return
         budget = self.prefetch_numel
-        live = sum(u.sharded_numel for u in self.units if u.is_unsharded)
+        live = self._live_numel()
         i = self.position[unit.index] + step
         first = True
         while 0 <= i < len(self.forward_order):

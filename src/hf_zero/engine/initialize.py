@@ -15,6 +15,7 @@ from hf_zero.engine.engine import ZeroEngine
 from hf_zero.engine.loss_scaler import build_loss_scaler
 from hf_zero.engine.optimizer import ZeroAdam, ZeroOptimizer
 from hf_zero.engine.param_source import SOURCE_ATTRIBUTE, ParamSource
+from hf_zero.engine.overlap_step import OverlappedOffloadStep, can_overlap
 from hf_zero.engine.schedulers import build_scheduler
 from hf_zero.engine.unit import ZeroUnit
 from hf_zero.offload import NvmeOptimizerStore, OffloadSettings
@@ -195,10 +196,14 @@ def initialize(
     inner = _build_inner_optimizer(resolved, optimizer, shard_groups) if trainable else None
     zero_optimizer = None
     if inner is not None:
-        zero_optimizer = ZeroOptimizer(inner, trainable, comm, resolved.gradient_clipping, resolved.stage)
+        zero_optimizer = ZeroOptimizer(inner, trainable, comm, resolved.gradient_clipping, resolved.stage,
+                                       allgather_bucket_numel=int(resolved.zero.allgather_bucket_size))
         zero_optimizer.loss_scaler = build_loss_scaler(**_loss_scaler_kwargs(resolved))
         if offload.optimizer == "nvme":
             zero_optimizer.nvme = _nvme_store(offload, comm.rank, trainable)
+        if offload.optimizer_on_host and can_overlap(inner, resolved.gradient_clipping, resolved.fp16.enabled,
+                                                     nvme=offload.optimizer == "nvme"):
+            zero_optimizer.overlapped = OverlappedOffloadStep(zero_optimizer)
     scheduler = _build_scheduler(resolved, zero_optimizer, lr_scheduler)
     engine = ZeroEngine(model, resolved, comm, device, units, plan.rule, zero_optimizer, scheduler)
     dataloader = _build_dataloader(training_data, resolved, comm, collate_fn)

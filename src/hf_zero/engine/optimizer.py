@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from hf_zero.comm import Communicator
+from hf_zero.engine.buckets import all_gather_updated
 from hf_zero.engine.flat_group import FlatParamGroup
 
 # torch.nn.utils.clip_grad_norm_ uses the same epsilon; matching it keeps parity exact.
@@ -47,28 +48,33 @@ class ZeroAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None, grad_scale: float = 1.0, clip_coef: float = 1.0):  # type: ignore[override]
-        from hf_zero.kernels import fused_adam_
-
         loss = closure() if closure is not None else None
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
             for master in group["params"]:
-                if master.grad is None:
-                    continue
-                state = self.state[master]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(master)
-                    state["exp_avg_sq"] = torch.zeros_like(master)
-                state["step"] += 1
-                fused_adam_(
-                    master, master.grad, state["exp_avg"], state["exp_avg_sq"],
-                    lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                    weight_decay=group["weight_decay"], step=state["step"],
-                    adamw=group["decoupled_weight_decay"], grad_scale=grad_scale,
-                    clip_coef=clip_coef, out=self.compute_copy.get(id(master)),
-                )
+                if master.grad is not None:
+                    self.step_master(master, group, grad_scale, clip_coef)
         return loss
+
+    @torch.no_grad()
+    def step_master(self, master: torch.Tensor, group: dict[str, Any], grad_scale: float = 1.0,
+                    clip_coef: float = 1.0) -> None:
+        """One fused Adam step of one flat master shard with its param group's hyperparameters."""
+        from hf_zero.kernels import fused_adam_
+
+        state = self.state[master]
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(master)
+            state["exp_avg_sq"] = torch.zeros_like(master)
+        state["step"] += 1
+        beta1, beta2 = group["betas"]
+        fused_adam_(
+            master, master.grad, state["exp_avg"], state["exp_avg_sq"],
+            lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+            weight_decay=group["weight_decay"], step=state["step"],
+            adamw=group["decoupled_weight_decay"], grad_scale=grad_scale,
+            clip_coef=clip_coef, out=self.compute_copy.get(id(master)),
+        )
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -86,6 +92,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         comm: Communicator,
         gradient_clipping: float,
         stage: int,
+        allgather_bucket_numel: int = 0,
     ) -> None:
         # Deliberately not Optimizer.__init__: the param groups are the inner optimizer's, shared.
         self.inner = inner
@@ -94,6 +101,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.comm = comm
         self.gradient_clipping = gradient_clipping
         self.stage = stage
+        self.allgather_bucket_numel = allgather_bucket_numel  # see [Note: buckets]
         self.loss_scaler: Any = None  # set by the engine for fp16
         self.overflow = False
         self.global_grad_norm: float | None = None
@@ -105,6 +113,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
         self._zero_grad_profile_name = "Optimizer.zero_grad#ZeroOptimizer.zero_grad"
         self.nvme: Any = None  # an NvmeOptimizerStore when offload_optimizer.device is nvme
+        self.overlapped: Any = None  # an OverlappedOffloadStep: see [Note: overlapped offload step]
         if isinstance(inner, ZeroAdam):
             for g in self.groups:
                 # The kernel writes the compute copy in the same pass, unless the master is on the
@@ -162,28 +171,25 @@ class ZeroOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable | None = None) -> None:  # type: ignore[override]
         self._opt_called = True  # what torch LR schedulers check to see the step happened first
+        if self.overlapped is not None and self.overlapped.submitted:
+            self._finish_overlapped_step()
+            return
         scale = self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
         sqnorm, nonfinite = self._sqnorm_and_nonfinite()
         self.overflow = nonfinite
         if nonfinite:
             self.global_grad_norm = math.inf
             if self.loss_scaler is None:
-                raise FloatingPointError(
-                    "non-finite gradients (inf or nan) in a bf16/fp32 run; hf_zero does not skip "
-                    "steps without fp16 loss scaling. Check the data and the learning rate, or "
-                    "enable gradient_clipping"
-                )
+                _raise_nonfinite()
             self.loss_scaler.update_scale(True)
             self.zero_grad()
             return
-        norm = math.sqrt(sqnorm) / scale
-        self.global_grad_norm = norm
+        self.global_grad_norm = norm = math.sqrt(sqnorm) / scale
         clip_coef = 1.0
         if self.gradient_clipping > 0:
             clip_coef = min(1.0, self.gradient_clipping / (norm + CLIP_EPS))
         self._inner_step(scale, clip_coef)
-        for group in self.groups:
-            group.gather_updated_shards()
+        all_gather_updated(self.groups, self.comm, self.allgather_bucket_numel)
         if self.loss_scaler is not None:
             self.loss_scaler.update_scale(False)
         self.zero_grad()
@@ -210,6 +216,36 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if master is not None and id(master) not in written and master.data_ptr() != group.shard.data_ptr():
                 group.shard.copy_(master, non_blocking=True)
 
+    def step_group_unscaled(self, group: FlatParamGroup) -> None:
+        """The step of one group without loss scale or clipping (the overlapped offload step)."""
+        hyper = next(h for h in self.param_groups if any(p is group.master for p in h["params"]))
+        if self.nvme is not None:
+            self.nvme.step(group.nvme_index, group.grad_shard, group.shard, hyper, grad_scale=1.0, clip_coef=1.0)
+            return
+        self.inner.step_master(group.master, hyper)
+        if id(group.master) not in self.inner.compute_copy and group.master.data_ptr() != group.shard.data_ptr():
+            group.shard.copy_(group.master, non_blocking=True)
+
+    def _finish_overlapped_step(self) -> None:
+        """See [Note: overlapped offload step]: wait for the worker, step what it did not get,
+        then report the norm and all-gather as the plain step does."""
+        results = self.overlapped.wait()
+        for group in self.groups:
+            if group.grad_shard is not None and id(group) not in results:
+                results[id(group)] = self.overlapped.step_group(group)
+        sqnorm = sum(sq for sq, _ in results.values())
+        nonfinite = any(found for _, found in results.values())
+        packed = torch.tensor([sqnorm, float(nonfinite)], dtype=torch.float32)
+        if self.stage != 0:
+            self.comm.all_reduce_(packed, label="grad_norm")
+        self.overflow = bool(packed[1] > 0)
+        self.global_grad_norm = math.inf if self.overflow else math.sqrt(float(packed[0]))
+        if self.overflow:
+            self.zero_grad()
+            _raise_nonfinite()
+        all_gather_updated(self.groups, self.comm, self.allgather_bucket_numel)
+        self.zero_grad()
+
     def _nvme_step(self, scale: float, clip_coef: float) -> None:
         group_of = {id(p): hyper for hyper in self.param_groups for p in hyper["params"]}
         for group in self.groups:
@@ -218,3 +254,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.nvme.step(group.nvme_index, group.grad_shard, group.shard, group_of[id(group.master)],
                            grad_scale=scale, clip_coef=clip_coef)
 
+
+def _raise_nonfinite() -> None:
+    raise FloatingPointError(
+        "non-finite gradients (inf or nan) in a bf16/fp32 run; hf_zero does not skip steps "
+        "without fp16 loss scaling. Check the data and the learning rate, or enable gradient_clipping"
+    )

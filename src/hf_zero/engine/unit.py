@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from hf_zero.comm import Communicator
-from hf_zero.engine.flat_group import FlatParamGroup, GroupKind, PendingReduce
+from hf_zero.engine.flat_group import FlatParamGroup, GroupKind
 from hf_zero.engine.param_source import ParamSource
 from hf_zero.offload import OffloadSettings
 from hf_zero.partition import UnitSpec, is_persistent
@@ -83,16 +83,11 @@ class ZeroUnit:
             group.prepare_grads()
 
     def reduce_grads(self, reduce_dtype: torch.dtype) -> None:
-        self.finish_reduce(self.start_reduce(reduce_dtype, async_op=False))
-
-    def start_reduce(self, reduce_dtype: torch.dtype, async_op: bool) -> list[tuple[FlatParamGroup, PendingReduce]]:
+        """Reduce every group now, one collective each (stage 0's all-reduce; the other stages
+        reduce through buckets, see hf_zero.engine.buckets)."""
         self.grads_reduced = True
-        started = [(g, g.start_reduce(reduce_dtype, async_op)) for g in self.groups]
-        return [(g, p) for g, p in started if p is not None]
-
-    def finish_reduce(self, pending: list[tuple[FlatParamGroup, PendingReduce]]) -> None:
-        for group, reduce in pending:
-            group.finish_reduce(reduce)
+        for group in self.groups:
+            group.reduce_grads(reduce_dtype)
 
     def reset_backward_state(self) -> None:
         self.backward_started = False

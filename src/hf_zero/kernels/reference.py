@@ -83,8 +83,21 @@ def pack_for_reduce_scatter(
         chunk = grad.numel() // world_size
         src = grad.view(world_size, chunk)
         dst = rank_major[:, column : column + chunk]
-        dst.copy_(src if scale == 1.0 else src.float() * scale)
+        _scaled_copy_(dst, src, scale)
         column += chunk
+
+
+def _scaled_copy_(dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:
+    """``dst = (src in fp32 * scale)`` rounded once to ``dst.dtype``, without a temporary where
+    torch can compute in fp32 directly (the engine packs whole gradient buckets through here)."""
+    if scale == 1.0:
+        dst.copy_(src)
+    elif dst.dtype == torch.float32:
+        dst.copy_(src).mul_(scale)  # the widening copy is exact
+    elif src.dtype in (dst.dtype, torch.float32):
+        torch.mul(src, scale, out=dst)  # CPU/CUDA math in fp32 (opmath), one rounding
+    else:
+        dst.copy_(src.float() * scale)
 
 
 def unpack_after_all_gather(buffer: torch.Tensor, world_size: int, outs: Sequence[torch.Tensor]) -> None:
