@@ -13,10 +13,13 @@ against DDP's; appends JSONL rows to ``results/bench_engines.jsonl``.
     python benchmarks/bench_engines.py --repeats 3                       # median of 3 medians
     python benchmarks/bench_engines.py --engines hf_zero3,ds3,fsdp2 --steps 30
     python benchmarks/bench_engines.py --engines hf_zero --overlap both  # overlap on vs off
+    python benchmarks/bench_engines.py --engines hf_zero3,ds3 --zero stage3_max_reuse_distance=0
     python benchmarks/bench_engines.py --engines hf_zero3 --profile /tmp/traces
     python benchmarks/bench_engines.py --device cuda                     # NCCL, bf16, bigger model
 
-Engines: hf_zero1 hf_zero2 hf_zero3 ddp fsdp2 ds1 ds2 ds3 (groups: all, hf_zero, torch, ds).
+Engines: hf_zero1 hf_zero2 hf_zero3 ddp fsdp2 ds1 ds2 ds3 nocomm (groups: all, hf_zero, torch, ds).
+``nocomm`` is the compute floor: each rank trains alone with no collective (its loss is not
+checked against DDP's); every engine's step time is that floor plus what the engine adds.
 
 How figures are counted (details in the engines/ modules' notes):
 
@@ -95,6 +98,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="hf_zero zero_optimization.overlap_comm (auto: leave it unset; both: run each)")
     p.add_argument("--persistence-threshold", type=int, default=None,
                    help="stage3_param_persistence_threshold for hf_zero and DeepSpeed alike (default theirs: 1e5)")
+    p.add_argument("--zero", action="append", default=[], metavar="KEY=VALUE",
+                   help="an extra zero_optimization key for hf_zero and DeepSpeed alike, JSON value "
+                        "(repeatable), e.g. --zero stage3_max_reuse_distance=0")
     p.add_argument("--fsdp-reshard-after-forward", choices=["auto", "true", "false"], default="auto",
                    help="FSDP2 reshard_after_forward (auto: FSDP2's default, blocks True / root False)")
     p.add_argument("--ddp-builtin-allreduce", action="store_true",
@@ -129,6 +135,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if problems:
         p.error("; ".join(problems))
     return args
+
+
+def zero_extra(items: list[str]) -> dict[str, Any]:
+    """``--zero KEY=VALUE`` items as a dict (values parsed as JSON, else kept as strings)."""
+    extra: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--zero expects KEY=VALUE, got {item!r}")
+        try:
+            extra[key] = json.loads(value)
+        except json.JSONDecodeError:
+            extra[key] = value
+    return extra
 
 
 def select_engines(spec: str) -> list[str]:
@@ -175,6 +195,8 @@ def variants(engines: list[str], args: argparse.Namespace) -> list[Variant]:
         family = family_of(engine)
         if family in ("hf_zero", "deepspeed") and args.persistence_threshold is not None:
             options["persistence_threshold"] = args.persistence_threshold
+        if family in ("hf_zero", "deepspeed") and args.zero:
+            options["zero_extra"] = zero_extra(args.zero)
         if family == "fsdp2":
             options["fsdp_reshard_after_forward"] = raf
         if family == "ddp":
@@ -401,7 +423,7 @@ def add_comparisons(rows: dict[str, dict[str, Any]], variants_: list[Variant], p
             row["targets"] = targets(ratios)
         row.update(ratios=ratios, deepspeed_reference=ds_label, fsdp2_reference=fsdp, formula_stage=formula_stage(variant),
                    **f)
-        if ddp is None:
+        if ddp is None or variant.family == "floor":  # the floor's ranks do not average gradients
             row.update(loss_max_abs_diff_vs_ddp=None, loss_match=None)
             continue
         reference = rows[ddp]["figures"]["loss_per_rank"]
@@ -417,7 +439,9 @@ TARGETS = (
     ("model_state <= DeepSpeed", "model_state_vs_deepspeed", "at_most", 1.001),
     ("model_state within 5% of formula", "model_state_vs_formula", "near", 0.05),
     ("comm <= DeepSpeed", "comm_vs_deepspeed", "at_most", 1.001),
-    ("comm within 2% of 2Ψ/3Ψ", "comm_vs_formula", "near", 0.02),
+    # At most the ZeRO volume (+2%): stage 3 moves 3Ψ when every unit is re-gathered for its
+    # backward and 2Ψ when the reuse distance keeps the forward's gathers (DeepSpeed's defaults).
+    ("comm <= 2Ψ/3Ψ (+2%)", "comm_vs_formula", "at_most", 1.02),
 )
 
 

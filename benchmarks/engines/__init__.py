@@ -17,13 +17,14 @@ ENGINES: dict[str, tuple[str, dict[str, object]]] = {
     "ds1": ("deepspeed_runner", {"stage": 1}),
     "ds2": ("deepspeed_runner", {"stage": 2}),
     "ds3": ("deepspeed_runner", {"stage": 3}),
+    "nocomm": ("floor_runner", {}),
 }
 
 
 def family_of(engine: str) -> str:
-    """"hf_zero", "ddp", "fsdp2" or "deepspeed"."""
+    """"hf_zero", "ddp", "fsdp2", "deepspeed" or "floor" (no collectives: the compute floor)."""
     return {"hf_zero_runner": "hf_zero", "ddp_runner": "ddp", "fsdp2_runner": "fsdp2",
-            "deepspeed_runner": "deepspeed"}[ENGINES[engine][0]]
+            "deepspeed_runner": "deepspeed", "floor_runner": "floor"}[ENGINES[engine][0]]
 
 
 def stage_of(engine: str) -> int | None:

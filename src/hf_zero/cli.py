@@ -43,7 +43,7 @@ def _export(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _estimate(args: argparse.Namespace, rest: list[str]) -> int:
-    from hf_zero.estimator import describe, estimate_model_states, format_table, meta_model
+    from hf_zero.estimator import WorkingSettings, describe, estimate_model_states, format_table, meta_model
 
     try:
         model = meta_model(args.model)
@@ -54,6 +54,7 @@ def _estimate(args: argparse.Namespace, rest: list[str]) -> int:
     estimates = estimate_model_states(
         model, args.gpus_per_node, args.nodes, dtype=args.dtype, stages=args.stages,
         persistence_threshold=args.persistence_threshold,
+        working=WorkingSettings(args.reduce_bucket_size, args.max_reuse_distance, args.max_live_parameters),
     )
     print(describe(model, world))
     print(f"model states per rank ({args.dtype} compute, fp32 master and Adam state; "
@@ -78,6 +79,11 @@ def _add_export_and_estimate(sub: argparse._SubParsersAction) -> None:
     estimate.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3], choices=[0, 1, 2, 3])
     estimate.add_argument("--persistence-threshold", type=int, default=100_000,
                           help="stage3_param_persistence_threshold (default DeepSpeed's 100000)")
+    for flag, default, key in (("--reduce-bucket-size", 500_000_000, "reduce_bucket_size"),
+                               ("--max-reuse-distance", 1_000_000_000, "stage3_max_reuse_distance"),
+                               ("--max-live-parameters", 1_000_000_000, "stage3_max_live_parameters")):
+        estimate.add_argument(flag, type=int, default=default,
+                              help=f"{key}, for the working-memory column (default DeepSpeed's {default:g})")
     estimate.set_defaults(func=_estimate)
 
 

@@ -29,11 +29,16 @@ and count 2Ψ of 16-bit gradients in stages 1-2 (``4Ψ + 16Ψ/N``); hf_zero redu
 a fp32 shard and frees the full 16-bit buffer after each reduction, so that 2Ψ is working memory
 here, not a resident state, and with fp32 compute no master copy exists at all.
 
-Working memory (transient, on the device, an estimate not checked against a run): stage 1 holds
-the full gradients c Ψ_t until the accumulation boundary; stages 2-3 hold the full gradients of
-the root unit and of at most two units in flight, c (R_t + 2 U_t); stage 3 also gathers the root
-unit and two units (the current one and the prefetched one), c (R + 2 U), where U is the largest
-unit and R the root unit (embeddings, heads and the other parameters outside the repeated blocks).
+Working memory (transient, on the device, an upper estimate not checked against a run), with
+B = ``reduce_bucket_size``, L_t the largest unit's trainable elements (the root unit, embeddings
+and heads, included) and b = min(Ψ_t, B + L_t) the largest gradient bucket:
+stage 1 holds the full gradients c Ψ_t until the accumulation boundary, plus their packed bucket
+c min(Ψ_t, B); stages 2-3 hold the open bucket's full gradients, the packed bucket in flight and
+the unit being differentiated, c (2 b + L_t). Stage 3 also holds gathered parameters: with
+``stage3_max_reuse_distance`` > 0 (DeepSpeed's default keeps every unit gathered from forward to
+backward) up to everything gathered, c min(Ψ_g, M + L) with M = ``stage3_max_live_parameters``;
+with 0, the root unit and two units (the current one and the prefetched one), c (R + 2 U), where
+U is the largest unit and R the root unit.
 
 Offload (the placements of DESIGN.md's offload section): ``offload_optimizer=cpu`` moves the fp32
 gradient shard, the fp32 master and the Adam state to the host, 16 Ψ_t / N bytes per rank
@@ -144,28 +149,45 @@ def _compute_bytes(dtype: str) -> int:
     return COMPUTE_BYTES[dtype]
 
 
-def _working_bytes(groups: list[GroupStats], stage: int, compute_bytes: int) -> int:
+@dataclass(frozen=True)
+class WorkingSettings:
+    """The config keys that size working memory (DeepSpeed's defaults)."""
+
+    reduce_bucket_size: int = 500_000_000
+    stage3_max_reuse_distance: int = 1_000_000_000
+    stage3_max_live_parameters: int = 1_000_000_000
+
+
+def _working_bytes(groups: list[GroupStats], stage: int, compute_bytes: int,
+                   settings: WorkingSettings = WorkingSettings()) -> int:
     """Transient device bytes during forward/backward (see [Note: memory formulas])."""
     units: dict[str, tuple[int, int]] = {}  # unit -> (trainable padded numel, gathered padded numel)
     for g in groups:
         trainable, gathered = units.get(g.unit, (0, 0))
         units[g.unit] = (trainable + g.padded_numel * g.trainable, gathered + g.padded_numel * (not g.persistent))
-    root_trainable, root_gathered = units.pop(ROOT_UNIT_NAME, (0, 0))
+    total_trainable = sum(u[0] for u in units.values())
+    total_gathered = sum(u[1] for u in units.values())
+    root_gathered = units.get(ROOT_UNIT_NAME, (0, 0))[1]
     largest_trainable = max((u[0] for u in units.values()), default=0)
-    largest_gathered = max((u[1] for u in units.values()), default=0)
+    largest_gathered = max((u[1] for name, u in units.items() if name != ROOT_UNIT_NAME), default=0)
     if stage == 1:
-        return (root_trainable + sum(u[0] for u in units.values())) * compute_bytes
-    grads = (root_trainable + 2 * largest_trainable) * compute_bytes
+        return (total_trainable + min(total_trainable, settings.reduce_bucket_size)) * compute_bytes
+    bucket = min(total_trainable, settings.reduce_bucket_size + largest_trainable)
+    grads = (2 * bucket + largest_trainable) * compute_bytes
     if stage == 2:
         return grads
     if stage == 3:
-        return grads + (root_gathered + 2 * largest_gathered) * compute_bytes
+        if settings.stage3_max_reuse_distance > 0:
+            gathered = min(total_gathered, settings.stage3_max_live_parameters + max(largest_gathered, root_gathered))
+        else:
+            gathered = root_gathered + 2 * largest_gathered
+        return grads + gathered * compute_bytes
     return 0
 
 
 def _estimate(model: nn.Module, world: int, gpus_per_node: int, stage: int, compute_bytes: int,
               threshold: int, wrap_modules: Sequence[str] | None, offload_optimizer: bool,
-              offload_param: bool) -> StateEstimate:
+              offload_param: bool, working: WorkingSettings) -> StateEstimate:
     groups = group_stats(model, world, stage, threshold, wrap_modules)
     mem = _state_bytes(groups, stage, compute_bytes)
     device, host = sum(mem.values()), 0
@@ -178,7 +200,7 @@ def _estimate(model: nn.Module, world: int, gpus_per_node: int, stage: int, comp
         host += sharded
         device -= sharded
     return StateEstimate(stage, offload_optimizer, offload_param, world, gpus_per_node, device,
-                         _working_bytes(groups, stage, compute_bytes), host, mem)
+                         _working_bytes(groups, stage, compute_bytes, working), host, mem)
 
 
 def estimate_model_states(
@@ -189,11 +211,13 @@ def estimate_model_states(
     stages: Sequence[int] = (1, 2, 3),
     persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD,
     wrap_modules: Sequence[str] | None = None,
+    working: WorkingSettings = WorkingSettings(),
 ) -> list[StateEstimate]:
     """Per-rank device and host bytes for model states under each stage in ``stages``, without
     offload, with ``offload_optimizer=cpu`` (stages 1-3) and with both offloads (stage 3); see
     [Note: memory formulas]. ``model`` is a module (any device, meta included), a Hugging Face
     config dict, or a path / Hub name of a config (built on the meta device: nothing is allocated).
+    ``working`` holds the bucket and reuse settings that size the transient working memory.
     """
     if num_gpus_per_node < 1 or num_nodes < 1:
         raise ValueError(f"num_gpus_per_node and num_nodes must be >= 1, got {num_gpus_per_node}, {num_nodes}")
@@ -205,7 +229,8 @@ def estimate_model_states(
         choices = [(False, False)] + ([(True, False)] if stage > 0 else []) + ([(True, True)] if stage == 3 else [])
         for offload_optimizer, offload_param in choices:
             estimates.append(_estimate(module, world, num_gpus_per_node, stage, compute_bytes,
-                                       persistence_threshold, wrap_modules, offload_optimizer, offload_param))
+                                       persistence_threshold, wrap_modules, offload_optimizer, offload_param,
+                                       working))
     return estimates
 
 

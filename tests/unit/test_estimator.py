@@ -10,7 +10,7 @@ import pytest
 from torch import nn
 
 from hf_zero.estimator import (
-    estimate_model_states, format_table, group_stats, meta_model, model_state_bytes,
+    WorkingSettings, estimate_model_states, format_table, group_stats, meta_model, model_state_bytes,
 )
 
 
@@ -82,8 +82,22 @@ def test_offload_moves_master_gradients_and_adam_state_to_the_host():
     assert opt.device_bytes == shard * 4 and opt.host_bytes == shard * 16
     assert both.device_bytes == 0 and both.host_bytes == shard * 20
     assert both.host_bytes_per_node == 2 * both.host_bytes
-    # working set: root gradients + two units' gradients, root + two units gathered
-    assert none.working_bytes == (40 + 2 * 112) * 4 * 2
+    # Working set at DeepSpeed's defaults: one bucket holds every gradient (packed copy too) and
+    # the reuse distance keeps every unit gathered: (2 x 376 + 112) + 376 elements.
+    assert none.working_bytes == (2 * 376 + 112 + 376) * 4
+
+
+def test_working_memory_follows_bucket_and_reuse_settings():
+    small = WorkingSettings(reduce_bucket_size=0, stage3_max_reuse_distance=0)
+    row = estimate_model_states(Toy(), num_gpus_per_node=2, dtype="fp32", stages=(3,), persistence_threshold=0,
+                                working=small)[0]
+    # one unit per bucket: open + packed in flight + the unit being differentiated; root + two
+    # units gathered
+    assert row.working_bytes == ((2 * 112 + 112) + (40 + 2 * 112)) * 4
+    capped = WorkingSettings(reduce_bucket_size=200, stage3_max_live_parameters=100)
+    row = estimate_model_states(Toy(), num_gpus_per_node=2, dtype="fp32", stages=(3,), persistence_threshold=0,
+                                working=capped)[0]
+    assert row.working_bytes == ((2 * 312 + 112) + (100 + 112)) * 4
 
 
 def test_stage1_and_2_rows_and_the_table():
