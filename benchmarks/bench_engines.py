@@ -437,7 +437,9 @@ TARGETS = (
     ("step_time <= 0.8x DeepSpeed", "step_time_vs_deepspeed", "at_most", 0.8),
     ("step_time <= FSDP2", "step_time_vs_fsdp2", "at_most", 1.0),
     ("model_state <= DeepSpeed", "model_state_vs_deepspeed", "at_most", 1.001),
-    ("model_state within 5% of formula", "model_state_vs_formula", "near", 0.05),
+    # At most the ZeRO formula (+5%): hf_zero's stage 1 sits below it, as it keeps only its
+    # fp32 gradient shard once the boundary's reduce-scatter is done.
+    ("model_state <= formula (+5%)", "model_state_vs_formula", "at_most", 1.05),
     ("comm <= DeepSpeed", "comm_vs_deepspeed", "at_most", 1.001),
     # At most the ZeRO volume (+2%): stage 3 moves 3Ψ when every unit is re-gathered for its
     # backward and 2Ψ when the reuse distance keeps the forward's gathers (DeepSpeed's defaults).

@@ -13,36 +13,17 @@ from typing import Any
 
 import torch
 
-from engines.base import Runner
-from engines.probes import StorageTally
+from engines.base import Runner, TorchLoopRunner
 from engines.workload import Workload, build_model
 
 
-class FloorRunner(Runner):
+class FloorRunner(TorchLoopRunner):
     name = "nocomm"
 
     def __init__(self, workload: Workload, options: dict[str, Any], device: torch.device) -> None:
         self.workload = workload
-        self.model = build_model(workload).to(device)
+        self.model = self.forward_module = build_model(workload).to(device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), fused=True, **workload.adamw_kwargs())
-
-    def forward_backward(self, batch: torch.Tensor) -> torch.Tensor:
-        loss = self.model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        return loss.detach()
-
-    def optimizer_step(self) -> None:
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.workload.clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def model_state(self) -> StorageTally:
-        tally = StorageTally()
-        params = list(self.model.parameters())
-        tally.add("params", "module.parameters", params)
-        tally.add("grads", "param.grad", (p.grad for p in params))
-        tally.add("optim", "optimizer.state", (v for s in self.optimizer.state.values() for v in s.values()))
-        return tally
 
     def info(self) -> dict[str, Any]:
         return {"optimizer": "torch.optim.AdamW(fused=True)", "collectives": "none (each rank alone)"}

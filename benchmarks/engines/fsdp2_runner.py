@@ -26,13 +26,15 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from engines.base import Runner
-from engines.probes import StorageTally, local_tensor
+from engines.base import Runner, TorchLoopRunner
+from engines.probes import local_tensor
 from engines.workload import Workload, build_model
 
 
-class Fsdp2Runner(Runner):
+class Fsdp2Runner(TorchLoopRunner):
     name = "fsdp2"
+    local = staticmethod(local_tensor)  # DTensor shards: this rank's local part
+    tally_names = ("DTensor._local_tensor", "grad._local_tensor", "optimizer.state")
 
     def __init__(self, workload: Workload, options: dict[str, Any], device: torch.device) -> None:
         self.workload = workload
@@ -45,27 +47,8 @@ class Fsdp2Runner(Runner):
         for block in model.transformer.h:
             fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)
-        self.model = model
+        self.model = self.forward_module = model
         self.optimizer = torch.optim.AdamW(model.parameters(), **workload.adamw_kwargs())
-
-    def forward_backward(self, batch: torch.Tensor) -> torch.Tensor:
-        loss = self.model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        return loss.detach()
-
-    def optimizer_step(self) -> None:
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.workload.clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def model_state(self) -> StorageTally:
-        tally = StorageTally()
-        params = list(self.model.parameters())
-        tally.add("params", "DTensor._local_tensor", (local_tensor(p) for p in params))
-        tally.add("grads", "grad._local_tensor", (local_tensor(p.grad) for p in params if p.grad is not None))
-        tally.add("optim", "optimizer.state", (local_tensor(v) for s in self.optimizer.state.values()
-                                              for v in s.values() if isinstance(v, torch.Tensor)))
-        return tally
 
     def info(self) -> dict[str, Any]:
         raf = self.reshard_after_forward
