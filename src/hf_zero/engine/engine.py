@@ -305,12 +305,6 @@ class ZeroEngine(nn.Module):
         rank together; see hf_zero.checkpoint.save. Returns the checkpoint directory."""
         from hf_zero.checkpoint import save_checkpoint
 
-        if self.optimizer is not None and self.optimizer.nvme is not None:
-            raise NotImplementedError(
-                "save_checkpoint with offload_optimizer.device \"nvme\" is not supported yet (the master "
-                "weights and moments live in NVMe files); use offload device \"cpu\" for runs that "
-                "need checkpoints")
-
         return save_checkpoint(self, save_dir, tag=tag, client_state=client_state)
 
     def load_checkpoint(

@@ -24,7 +24,7 @@ from torch import nn
 
 from hf_zero.comm import Communicator, Handle
 from hf_zero.engine.param_source import ParamSource
-from hf_zero.offload import OffloadSettings, to_host
+from hf_zero.offload import NvmeShard, OffloadSettings, to_host
 from hf_zero.partition import FlatLayout, build_flat_layout
 
 
@@ -112,8 +112,12 @@ class FlatParamGroup:
             self.shard = self.full[lo:hi].clone() if self.shards_params else self.full[lo:hi]
             if self.shards_params:
                 free_storage(self.full)
-        # offload_param: the compute shard waits on the host between gathers (stage 3).
-        self.shard_on_host = offload.params == "cpu" and self.shards_params
+        # offload_param: the compute shard waits on the host between gathers (stage 3), or in a
+        # file (see [Note: NVMe parameter offload] in hf_zero.offload.nvme_params).
+        self.nvme_shard: NvmeShard | None = None
+        if offload.params == "nvme" and self.shards_params:
+            self.nvme_shard = offload.param_store.register(label, self.shard)
+        self.shard_on_host = offload.params_on_host and self.shards_params
         if self.shard_on_host:
             self.shard = to_host(self.shard, offload.pin_memory)
         self.nvme_index: int | None = None  # set when an NVMe store holds this group's state
@@ -123,6 +127,9 @@ class FlatParamGroup:
         self.grad_shard: torch.Tensor | None = None
         if kind.trainable:
             self._init_master_and_grads(compute_dtype, device)
+        if self.nvme_shard is not None:  # after the master is made from it
+            self.nvme_shard.write(self.shard)
+            self.shard = self.nvme_shard.placeholder()
 
     # ----------------------------------------------------------------- construction
     @property
@@ -170,6 +177,8 @@ class FlatParamGroup:
             self.master = torch.zeros(0, dtype=torch.float32)
         elif self.offload.optimizer == "cpu":
             self.master = to_host(self.shard.to(torch.float32, copy=True), self.offload.pin_memory)
+        elif self.nvme_shard is not None:  # the compute shard goes to a file; the master stays
+            self.master = self.shard.to(torch.float32, copy=True)
         else:
             self.master = self.shard if compute_dtype == torch.float32 else self.shard.float()
         self.grad_full = torch.zeros(self.layout.padded_numel, dtype=compute_dtype, device=device)
@@ -206,17 +215,22 @@ class FlatParamGroup:
             return
         if not allocate_storage(self.full):
             return
-        shard = self.shard.to(self.full.device, non_blocking=True) if self.shard_on_host else self.shard
+        if self.nvme_shard is not None:
+            shard = self.nvme_shard.swap_in(self.full.device, reclaim=self.wait_unshard)
+        else:
+            shard = self.shard.to(self.full.device, non_blocking=True) if self.shard_on_host else self.shard
         self._pending_gather = self.comm.all_gather_into(
             self.full, shard, label=self.label, async_op=async_op
         )
         if not async_op:
-            self._pending_gather = None
+            self.wait_unshard()
 
     def wait_unshard(self) -> None:
         if self._pending_gather is not None:
             self._pending_gather.wait()
             self._pending_gather = None
+            if self.nvme_shard is not None:
+                self.nvme_shard.release()
 
     def reshard(self) -> None:
         if self.shards_params:
@@ -236,9 +250,23 @@ class FlatParamGroup:
         make the shard and the master agree with it."""
         lo, hi = self.shard_range
         if self.shards_params:
-            self.shard.copy_(self.full[lo:hi])
+            self.write_compute_shard(self.full[lo:hi])
         if self.master is not None and self.master.data_ptr() != self.shard.data_ptr():
-            self.master.copy_(self.shard)
+            self.master.copy_(self.full[lo:hi])
+
+    def write_compute_shard(self, values: torch.Tensor, start: int = 0) -> None:
+        """New values for elements [start, start + values.numel()) of this rank's compute shard
+        (the optimizer's update, a loaded checkpoint): into ``shard``, or into its file under
+        NVMe parameter offload."""
+        if self.nvme_shard is not None:
+            self.nvme_shard.write(values, start)
+        else:
+            self.shard[start : start + values.numel()].copy_(values.reshape(-1), non_blocking=True)
+
+    def read_compute_shard(self) -> torch.Tensor:
+        """This rank's compute shard (read from its file, into a new tensor, under NVMe parameter
+        offload)."""
+        return self.nvme_shard.read() if self.nvme_shard is not None else self.shard
 
     # ----------------------------------------------------------------- gradients
     def prepare_grads(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Callable, Iterable
 
@@ -18,8 +19,8 @@ from hf_zero.engine.param_source import SOURCE_ATTRIBUTE, ParamSource
 from hf_zero.engine.overlap_step import OverlappedOffloadStep, can_overlap
 from hf_zero.engine.schedulers import build_scheduler
 from hf_zero.engine.unit import ZeroUnit
-from hf_zero.offload import NvmeOptimizerStore, OffloadSettings
-from hf_zero.partition import plan_units
+from hf_zero.offload import NvmeOptimizerStore, NvmeParamStore, OffloadSettings, units_to_offload
+from hf_zero.partition import is_persistent, plan_units
 
 logger = logging.getLogger("hf_zero")
 
@@ -177,11 +178,16 @@ def initialize(
     plan = plan_units(model, resolved.zero.wrap_modules)
     threshold = int(resolved.zero.stage3_param_persistence_threshold) if resolved.stage == 3 else 0
     offload = _offload_settings(resolved, optimizer)
+    if offload.params == "nvme":
+        offload = dataclasses.replace(offload, param_store=_nvme_param_store(resolved, model, comm, threshold))
+    unit_offloads = _offload_by_unit(resolved, offload, plan.units)
     units = [
         ZeroUnit(i, spec, param_group_of, comm, resolved.stage, resolved.compute_dtype, device, threshold,
-                 source, offload)
+                 source, unit_offloads[i])
         for i, spec in enumerate(plan.units)
     ]
+    if offload.param_store is not None:
+        offload.param_store.allocate_buffers()
     if source is not None:
         delattr(model, SOURCE_ATTRIBUTE)  # the weights are in the shards now; close the files
     if comm.rank == 0:
@@ -274,8 +280,36 @@ def _nvme_store(offload: OffloadSettings, rank: int, groups: list[Any]) -> NvmeO
     store = NvmeOptimizerStore(offload.nvme_path, rank, [g.layout.shard_numel for g in groups], offload.tile_numel)
     for index, group in enumerate(groups):
         group.nvme_index = index
-        store.store_master(index, group.shard)
+        store.store_master(index, group.read_compute_shard())
     return store
+
+
+def _nvme_param_store(config: HfZeroConfig, model: nn.Module, comm: Communicator, threshold: int) -> NvmeParamStore:
+    """The rank's store for ``offload_param.device: "nvme"``, created (and ``nvme_path``
+    checked for the shard bytes beyond ``max_in_cpu``) before any unit is built."""
+    section = config.zero.offload_param
+    sharded = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()
+                  if not is_persistent(p, config.stage, threshold))
+    per_rank = -(-sharded // comm.world_size)
+    itemsize = torch.empty((), dtype=config.compute_dtype).element_size()
+    return NvmeParamStore(
+        section.nvme_path, comm.rank, buffer_count=int(section.buffer_count),
+        buffer_numel=int(section.buffer_size), max_in_cpu=int(section.max_in_cpu),
+        pin_memory=bool(section.pin_memory), needed_bytes=max(0, per_rank - int(section.max_in_cpu)) * itemsize,
+    )
+
+
+def _offload_by_unit(config: HfZeroConfig, offload: OffloadSettings, specs: list[Any]) -> list[OffloadSettings]:
+    """Each unit's offload settings: all the same, except under ``offload_optimizer.ratio`` below
+    1, where the units that keep their optimizer state on the device get optimizer "none"
+    (see [Note: partial optimizer offload] in hf_zero.offload.placement)."""
+    section = config.zero.offload_optimizer
+    ratio = float(section.ratio) if section is not None else 1.0
+    if offload.optimizer != "cpu" or ratio >= 1.0:
+        return [offload] * len(specs)
+    kept = dataclasses.replace(offload, optimizer="none")
+    numels = [sum(p.numel() for _, p in spec.params if p.requires_grad) for spec in specs]
+    return [offload if hosted else kept for hosted in units_to_offload(numels, ratio)]
 
 
 def _loss_scaler_kwargs(config: HfZeroConfig) -> dict[str, Any]:

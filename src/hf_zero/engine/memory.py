@@ -47,12 +47,15 @@ def _state_tensors(optimizer: Any, hosted: set[int], on_host: bool) -> Iterable[
 
 def memory_report(units: list[Any], optimizer: Any, module: nn.Module) -> dict[str, int]:
     """Device categories, their ``total``, host categories (offload), ``host_total``, and
-    ``nvme`` (bytes of optimizer state in files)."""
+    ``nvme`` (bytes in files: optimizer state under offload_optimizer nvme, compute shards under
+    offload_param nvme)."""
     counter = _StorageCounter()
     groups = [g for u in units for g in u.groups]
     host = {id(g): g.offload.optimizer_on_host for g in groups}
     counter.add("compute_params", (g.full for g in groups))
     counter.add("host_params", (g.shard for g in groups if g.shard_on_host))
+    # NVMe parameter offload: the pool of host buffers the file-backed shards are read into.
+    counter.add("host_params", (b for s in _param_stores(groups) for b in s.pool.buffers))
     counter.add("compute_params", (g.shard for g in groups if not g.shard_on_host))
     counter.add("gradients", (g.grad_full for g in groups))
     counter.add("host_gradients", (g.grad_shard for g in groups if host[id(g)]))
@@ -67,9 +70,19 @@ def memory_report(units: list[Any], optimizer: Any, module: nn.Module) -> dict[s
     report = dict(counter.totals)
     report["total"] = sum(counter.totals[k] for k in CATEGORIES)
     report["host_total"] = sum(counter.totals[k] for k in HOST_CATEGORIES)
-    nvme = getattr(optimizer, "nvme", None)
-    report["nvme"] = nvme.file_bytes if nvme is not None else 0
+    report["nvme"] = _nvme_file_bytes(groups, optimizer)
     return report
+
+
+def _param_stores(groups: list[Any]) -> list[Any]:
+    stores = {id(g.offload.param_store): g.offload.param_store for g in groups if g.offload.param_store is not None}
+    return list(stores.values())
+
+
+def _nvme_file_bytes(groups: list[Any], optimizer: Any) -> int:
+    """Optimizer state (master and moments) and compute shards kept in NVMe files."""
+    nvme = getattr(optimizer, "nvme", None)
+    return (nvme.file_bytes if nvme is not None else 0) + sum(s.file_bytes for s in _param_stores(groups))
 
 
 _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9}

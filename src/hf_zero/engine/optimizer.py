@@ -117,9 +117,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if isinstance(inner, ZeroAdam):
             for g in self.groups:
                 # The kernel writes the compute copy in the same pass, unless the master is on the
-                # host (offloaded): then the shard is refreshed by a copy after the step.
+                # host (offloaded) or the shard in a file: then it is written after the step.
                 separate = g.master is not None and g.master.data_ptr() != g.shard.data_ptr()
-                if separate and not g.offload.optimizer_on_host:
+                if separate and not g.offload.optimizer_on_host and g.nvme_shard is None:
                     inner.compute_copy[id(g.master)] = g.shard
 
     @property
@@ -214,7 +214,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for group in self.groups:
             master = group.master
             if master is not None and id(master) not in written and master.data_ptr() != group.shard.data_ptr():
-                group.shard.copy_(master, non_blocking=True)
+                group.write_compute_shard(master)
 
     def step_group_unscaled(self, group: FlatParamGroup) -> None:
         """The step of one group without loss scale or clipping (the overlapped offload step)."""
@@ -251,7 +251,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for group in self.groups:
             if group.grad_shard is None or group.nvme_index is None:
                 continue
-            self.nvme.step(group.nvme_index, group.grad_shard, group.shard, group_of[id(group.master)],
+            self.nvme.step(group.nvme_index, group.grad_shard, group.write_compute_shard, group_of[id(group.master)],
                            grad_scale=scale, clip_coef=clip_coef)
 
 

@@ -5,5 +5,7 @@ so in the import order they sit between kernels and engine."""
 
 from hf_zero.offload.host import OffloadSettings, to_host
 from hf_zero.offload.nvme import NvmeOptimizerStore
+from hf_zero.offload.nvme_params import NvmeParamStore, NvmeShard
+from hf_zero.offload.placement import units_to_offload
 
-__all__ = ["NvmeOptimizerStore", "OffloadSettings", "to_host"]
+__all__ = ["NvmeOptimizerStore", "NvmeParamStore", "NvmeShard", "OffloadSettings", "to_host", "units_to_offload"]

@@ -17,14 +17,14 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 
 STATES = ("master", "exp_avg", "exp_avg_sq")
 
 
-def check_nvme_path(path: str | None, needed_bytes: int) -> None:
+def check_nvme_path(path: str | None, needed_bytes: int, what: str = "the optimizer state of this rank") -> None:
     if not path:
         raise ValueError("offload device \"nvme\" needs zero_optimization.offload_*.nvme_path")
     if not os.path.isdir(path):
@@ -33,7 +33,7 @@ def check_nvme_path(path: str | None, needed_bytes: int) -> None:
         raise PermissionError(f"nvme_path {path!r} is not writable by this process; fix its permissions or choose another directory")
     free = shutil.disk_usage(path).free
     if free < needed_bytes:
-        raise OSError(f"nvme_path {path!r} has {free / 2**30:.2f} GiB free, the optimizer state of this rank needs "
+        raise OSError(f"nvme_path {path!r} has {free / 2**30:.2f} GiB free, {what} needs "
                       f"{needed_bytes / 2**30:.2f} GiB; free space or choose a larger drive")
 
 
@@ -69,19 +69,33 @@ class NvmeOptimizerStore:
         if written != data.nbytes:
             raise OSError(f"short write to {self.path(index, state)}: {written} of {data.nbytes} bytes (disk full?)")
 
-    def read_into(self, index: int, state: str, start: int, out: torch.Tensor) -> None:
+    def read_into(self, index: int, state: str, start: int, out: torch.Tensor) -> torch.Tensor:
         view = memoryview(out.view(torch.uint8).numpy())
         read = os.preadv(self._fds[(index, state)], [view], start * 4)
         if read != out.numel() * 4:
             raise OSError(f"short read from {self.path(index, state)}: {read} of {out.numel() * 4} bytes")
+        return out
 
     def store_master(self, index: int, shard: torch.Tensor) -> None:
         for start in range(0, shard.numel(), self.tile_numel):
             self.write(index, "master", start, shard[start:start + self.tile_numel])
 
-    def step(self, index: int, grad: torch.Tensor, compute_shard: torch.Tensor, hyper: dict[str, Any],
-             grad_scale: float, clip_coef: float) -> None:
-        """One Adam step of group ``index``, tile by tile; the new weights land in ``compute_shard``."""
+    def read(self, index: int, state: str, start: int, stop: int) -> torch.Tensor:
+        """Elements [start, stop) of one state, in a new tensor."""
+        return self.read_into(index, state, start, torch.empty(stop - start, dtype=torch.float32))
+
+    def iter_tiles(self, index: int, state: str) -> Iterator[torch.Tensor]:
+        """One state of group ``index`` in tiles of ``sub_group_size`` elements; each tile is
+        valid until the next one is produced (one reused buffer)."""
+        buffer = torch.empty(self.tile_numel, dtype=torch.float32)
+        for start in range(0, self.numels[index], self.tile_numel):
+            stop = min(self.numels[index], start + self.tile_numel)
+            yield self.read_into(index, state, start, buffer[: stop - start])
+
+    def step(self, index: int, grad: torch.Tensor, write_compute: Callable[[torch.Tensor, int], None],
+             hyper: dict[str, Any], grad_scale: float, clip_coef: float) -> None:
+        """One Adam step of group ``index``, tile by tile; each updated master tile goes to
+        ``write_compute(tile, start)`` (the group's ``write_compute_shard``)."""
         from hf_zero.kernels import fused_adam_
 
         self.steps[index] += 1
@@ -97,12 +111,19 @@ class NvmeOptimizerStore:
                 weight_decay=hyper["weight_decay"], step=self.steps[index],
                 adamw=hyper.get("decoupled_weight_decay", True), grad_scale=grad_scale, clip_coef=clip_coef,
             )
-            compute_shard[start:stop].copy_(tiles["master"])
+            write_compute(tiles["master"], start)
             for state, tile in tiles.items():
                 self.write(index, state, start, tile)
 
     def close(self) -> None:
-        for fd in self._fds.values():
+        for (index, state), fd in self._fds.items():
             os.close(fd)
+            try:
+                os.remove(self.path(index, state))
+            except OSError:
+                pass
         self._fds.clear()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        try:
+            os.rmdir(self.dir)  # unless parameter files (offload_param nvme) still live in it
+        except OSError:
+            pass

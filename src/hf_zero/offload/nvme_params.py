@@ -1,0 +1,261 @@
+"""Stage-3 compute shards in files (``offload_param.device: "nvme"``), read through a bounded
+pool of host buffers.
+
+[Note: NVMe parameter offload]
+Each sharded stage-3 flat group of a rank keeps its compute shard (compute dtype, one shard
+long) in ``<nvme_path>/hf_zero-rank<r>-pid<pid>/params/<group label>.<dtype>``; the group's
+``shard`` attribute is then an empty placeholder. The first groups whose shards fit in
+``max_in_cpu`` elements (per rank, in model order) stay in host memory instead, exactly as with
+``offload_param.device: "cpu"``.
+
+- Gather (``FlatParamGroup.unshard``): the shard is read synchronously into one of
+  ``buffer_count`` host buffers, then the all-gather is issued from that buffer, asynchronously
+  when it is a prefetch. The buffer is handed back when the gather is waited for (at once on a
+  GPU, where the shard is first copied to the device). When every buffer is held by a gather in
+  flight, the oldest gather is waited for first, so at most ``buffer_count`` shards are in host
+  memory at any time. Each buffer holds the largest file-backed shard; ``buffer_size`` is the
+  ceiling (a larger shard is an error at ``initialize``).
+- Update: after the optimizer step the new compute copy (the cast of the fp32 master, or of
+  each NVMe optimizer tile) is written back to the file, through a pool buffer when it must be
+  cast or copied off the device. A file-backed group therefore always has a separate fp32
+  master, even with fp32 compute.
+- The files are removed when the store is garbage-collected or at a clean exit; a missing,
+  read-only or too small ``nvme_path`` is an error before anything is written.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import weakref
+from collections import OrderedDict
+from typing import Callable, Iterator
+
+import torch
+
+from hf_zero.config.errors import ConfigProblem, HfZeroConfigError
+from hf_zero.offload.host import to_host
+from hf_zero.offload.nvme import check_nvme_path
+
+DTYPE_SUFFIX = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_UNSAFE = re.compile(r"[^A-Za-z0-9._#-]")
+
+
+class SwapBufferPool:
+    """``count`` host buffers of ``nbytes`` bytes. A holder that keeps a buffer beyond the call
+    that took it (a gather in flight) registers how to make it give the buffer back."""
+
+    def __init__(self, count: int, nbytes: int, pin: bool) -> None:
+        self.buffers = [to_host(torch.empty(nbytes, dtype=torch.uint8), pin) for _ in range(count)]
+        self.free = list(range(count))[::-1]
+        self.holders: OrderedDict[int, Callable[[], None] | None] = OrderedDict()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self.buffers)
+
+    def acquire(self, reclaim: Callable[[], None] | None = None) -> int:
+        if not self.free and self.holders:
+            oldest = next(iter(self.holders))
+            give_back = self.holders[oldest]
+            if give_back is not None:
+                give_back()  # waits for the oldest gather in flight, which releases its buffer
+        if not self.free:
+            raise RuntimeError(
+                f"all {len(self.buffers)} NVMe parameter swap buffers are in use and none could be "
+                "reclaimed; raise zero_optimization.offload_param.buffer_count")
+        index = self.free.pop()
+        self.holders[index] = reclaim
+        return index
+
+    def view(self, index: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        return self.buffers[index].view(dtype)[:numel]
+
+    def release(self, index: int) -> None:
+        del self.holders[index]
+        self.free.append(index)
+
+
+def _remove_files(fds: dict[str, int], folder: str) -> None:
+    for fd in fds.values():
+        os.close(fd)
+    fds.clear()
+    shutil.rmtree(folder, ignore_errors=True)
+    try:
+        os.rmdir(os.path.dirname(folder))  # the rank folder, unless an optimizer store still uses it
+    except OSError:
+        pass
+
+
+class NvmeShard:
+    """One flat group's compute shard in a file: see [Note: NVMe parameter offload]."""
+
+    def __init__(self, store: NvmeParamStore, path: str, fd: int, numel: int, dtype: torch.dtype) -> None:
+        self.store = store
+        self.path = path
+        self.fd = fd
+        self.numel = numel
+        self.dtype = dtype
+        self._held: int | None = None  # the pool buffer a gather in flight reads
+
+    @property
+    def file_bytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    def placeholder(self) -> torch.Tensor:
+        """What the group keeps as its ``shard`` while the values are in the file."""
+        return torch.empty(0, dtype=self.dtype)
+
+    # ----------------------------------------------------------------- raw file access
+    def _pwrite(self, start: int, values: torch.Tensor) -> None:
+        data = values.view(torch.uint8).numpy()
+        written = os.pwrite(self.fd, memoryview(data), start * self.dtype.itemsize)
+        if written != data.nbytes:
+            raise OSError(f"short write to {self.path}: {written} of {data.nbytes} bytes (disk full?)")
+
+    def read_into(self, out: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Elements [start, start + out.numel()) of the shard into the host tensor ``out``."""
+        view = memoryview(out.view(torch.uint8).numpy())
+        read = os.preadv(self.fd, [view], start * self.dtype.itemsize)
+        if read != view.nbytes:
+            raise OSError(f"short read from {self.path}: {read} of {view.nbytes} bytes")
+        return out
+
+    # ----------------------------------------------------------------- whole-shard and tiled access
+    def write(self, values: torch.Tensor, start: int = 0) -> None:
+        """New values (any dtype, any device) for elements [start, start + values.numel()): cast
+        or copied through a pool buffer unless they already are host values of the file's dtype."""
+        values = values.detach().reshape(-1)
+        if values.device.type == "cpu" and values.dtype == self.dtype and values.is_contiguous():
+            self._pwrite(start, values)
+            return
+        if self.store.pool_or_none is None:  # the first write, at initialize: one shard, once
+            self._pwrite(start, values.to("cpu", self.dtype).contiguous())
+            return
+        pool = self.store.pool
+        index = pool.acquire()
+        try:
+            buffer = pool.view(index, self.dtype, pool.buffers[index].numel() // self.dtype.itemsize)
+            for lo in range(0, values.numel(), buffer.numel()):
+                chunk = values[lo : lo + buffer.numel()]
+                staged = buffer[: chunk.numel()]
+                staged.copy_(chunk)
+                self._pwrite(start + lo, staged)
+        finally:
+            pool.release(index)
+
+    def read(self) -> torch.Tensor:
+        """The whole shard, in a new host tensor."""
+        return self.read_into(torch.empty(self.numel, dtype=self.dtype))
+
+    def iter_tiles(self, tile_numel: int) -> Iterator[torch.Tensor]:
+        """The shard in tiles of at most ``tile_numel`` elements; each tile is valid until the
+        next one is produced (one reused buffer)."""
+        buffer = torch.empty(max(1, min(tile_numel, self.numel)), dtype=self.dtype)
+        for lo in range(0, self.numel, buffer.numel()):
+            yield self.read_into(buffer[: min(buffer.numel(), self.numel - lo)], lo)
+
+    # ----------------------------------------------------------------- the gather
+    def swap_in(self, device: torch.device, reclaim: Callable[[], None]) -> torch.Tensor:
+        """The shard read into a pool buffer (or, on a GPU, copied on to ``device`` from one),
+        ready to be the input of the all-gather. ``reclaim`` finishes that gather; the pool calls
+        it when it needs the buffer back. Pair with :meth:`release`."""
+        pool = self.store.pool
+        index = pool.acquire(reclaim)
+        try:
+            shard = self.read_into(pool.view(index, self.dtype, self.numel))
+        except BaseException:
+            pool.release(index)
+            raise
+        if device.type == "cpu":
+            self._held = index
+            return shard
+        try:
+            return shard.to(device)  # blocking: the buffer is free again once this returns
+        finally:
+            pool.release(index)
+
+    def release(self) -> None:
+        """The gather that read the buffer of :meth:`swap_in` is done. Idempotent."""
+        if self._held is not None:
+            index, self._held = self._held, None
+            self.store.pool.release(index)
+
+
+class NvmeParamStore:
+    """The files of one rank's file-backed compute shards, and the pool of host buffers they are
+    read through; see [Note: NVMe parameter offload]."""
+
+    def __init__(self, nvme_path: str | None, rank: int, buffer_count: int, buffer_numel: int,
+                 max_in_cpu: int, pin_memory: bool, needed_bytes: int) -> None:
+        check_nvme_path(nvme_path, needed_bytes, what="the offloaded parameter shards of this rank")
+        rank_dir = os.path.join(str(nvme_path), f"hf_zero-rank{rank}-pid{os.getpid()}")
+        self.dir = os.path.join(rank_dir, "params")
+        suffix = 0
+        while os.path.exists(self.dir):  # a second engine in this process gets its own folder
+            suffix += 1
+            self.dir = os.path.join(rank_dir, f"params-{suffix}")
+        os.makedirs(self.dir)
+        self.buffer_count = buffer_count
+        self.buffer_numel = buffer_numel
+        self.max_in_cpu = max_in_cpu
+        self.pin_memory = pin_memory
+        self.cached_numel = 0  # elements kept in host memory under max_in_cpu
+        self.shards: list[NvmeShard] = []
+        self._pool: SwapBufferPool | None = None
+        self._fds: dict[str, int] = {}
+        self._finalizer = weakref.finalize(self, _remove_files, self._fds, self.dir)
+
+    @property
+    def file_bytes(self) -> int:
+        return sum(s.file_bytes for s in self.shards)
+
+    @property
+    def buffer_bytes(self) -> int:
+        return self._pool.nbytes if self._pool is not None else 0
+
+    @property
+    def pool_or_none(self) -> SwapBufferPool | None:
+        return self._pool
+
+    @property
+    def pool(self) -> SwapBufferPool:
+        if self._pool is None:
+            raise RuntimeError("NvmeParamStore.allocate_buffers() must run before shards are read")
+        return self._pool
+
+    def register(self, label: str, shard: torch.Tensor) -> NvmeShard | None:
+        """Take a group's compute shard: None when it stays in host memory (within
+        ``max_in_cpu``), else the handle of the file it will be written to (by the group, with
+        :meth:`NvmeShard.write`, once its fp32 master exists)."""
+        if self._pool is not None:
+            raise RuntimeError("shards must be registered before NvmeParamStore.allocate_buffers()")
+        if self.cached_numel + shard.numel() <= self.max_in_cpu:
+            self.cached_numel += shard.numel()
+            return None
+        dtype = shard.dtype
+        name = _UNSAFE.sub("_", label) + "." + DTYPE_SUFFIX.get(dtype, str(dtype).removeprefix("torch."))
+        path = os.path.join(self.dir, name)
+        if path in self._fds:
+            raise ValueError(f"two flat groups are both labelled {label!r}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        self._fds[path] = fd
+        handle = NvmeShard(self, path, fd, shard.numel(), dtype)
+        self.shards.append(handle)
+        return handle
+
+    def allocate_buffers(self) -> None:
+        """Once every group is registered: check ``buffer_size`` and allocate the pool (each
+        buffer the size of the largest file-backed shard)."""
+        largest = max(self.shards, key=lambda s: s.file_bytes, default=None)
+        if largest is not None and largest.numel > self.buffer_numel:
+            raise HfZeroConfigError([ConfigProblem(
+                "zero_optimization.offload_param.buffer_size", self.buffer_numel,
+                f"each NVMe swap buffer must hold a whole parameter shard, and {largest.path} holds "
+                f"{largest.numel} elements", f"set buffer_size to at least {largest.numel}")])
+        nbytes = largest.file_bytes if largest is not None else 0
+        self._pool = SwapBufferPool(self.buffer_count if largest is not None else 0, nbytes, self.pin_memory)
+
+    def close(self) -> None:
+        self._finalizer()
