@@ -26,6 +26,9 @@ from hf_zero.checkpoint.manifest import (
     BUFFER_PREFIX, MANIFEST_NAME, OPTIM_PREFIX, PARAM_KEY, decode_state, persistent_buffers,
     read_manifest, resolve_checkpoint_dir, restore_rng, tensor_name,
 )
+from hf_zero.checkpoint.offloaded import (
+    check_streamed_keys, is_streamed, load_streamed_optimizer, load_streamed_parameters,
+)
 from hf_zero.checkpoint.reader import RankFiles
 from hf_zero.checkpoint.reshard import Piece, SavedSlot, index_saved_slots, plan_pieces
 from hf_zero.checkpoint.safetensors_io import TAG_DTYPES
@@ -116,6 +119,7 @@ def _plan(engine: Any, load_dir: str | os.PathLike[str], tag: str | None, load_o
     for group in _engine_groups(engine):
         pieces = plan_pieces(group.layout.slots, group.shard_range, saved)
         keys = _optim_keys(group, saved, manifest, manifest_path) if load_optimizer and group.master is not None else []
+        check_streamed_keys(engine, group, keys, manifest_path)
         source = saved[group.layout.slots[0].name].group_index
         plans.append(_GroupPlan(group, pieces, source, keys))
     saved_buffers = {b["name"] for b in manifest["model"].get("buffers", [])}
@@ -159,13 +163,16 @@ def _fill(dst: torch.Tensor, pieces: list[Piece], key: str, files: RankFiles) ->
         dst[piece.dst_lo:piece.dst_hi].copy_(data)
 
 
-def _load_parameters(plan: _Plan) -> None:
+def _load_parameters(engine: Any, plan: _Plan) -> None:
     for item in plan.groups:
         group = item.group
+        if is_streamed(engine, group):  # see [Note: checkpoints of NVMe-offloaded state]
+            load_streamed_parameters(engine, group, item.pieces, plan.files)
+            continue
         target = group.master if group.master is not None else group.shard
         _fill(target, item.pieces, PARAM_KEY, plan.files)
         if group.master is not None and group.master.data_ptr() != group.shard.data_ptr():
-            group.shard.copy_(group.master)  # the compute copy is the cast of the master
+            group.write_compute_shard(group.master)  # the compute copy is the cast of the master
     for item in plan.groups:  # same order on every rank: these are collectives
         item.group.gather_updated_shards()
 
@@ -179,11 +186,15 @@ def _load_optimizer(engine: Any, plan: _Plan) -> None:
         master = item.group.master
         if master is None:
             continue
+        source = records[item.source]
+        if is_streamed(engine, item.group):
+            scalars = decode_state(source["optimizer_scalars"]) if item.optim_keys else {}
+            load_streamed_optimizer(engine, item.group, item.pieces, item.optim_keys, scalars, plan.files)
+            continue
         if not item.optim_keys:  # saved before the first optimizer step
             inner.state.pop(master, None)
             continue
         state: dict[str, Any] = {}
-        source = records[item.source]
         for key in item.optim_keys:
             dtype = TAG_DTYPES[source["tensors"][OPTIM_PREFIX + key]]
             state[key] = torch.zeros(master.shape, dtype=dtype, device=master.device)
@@ -245,7 +256,7 @@ def load_checkpoint(
         raise CheckpointError("load_checkpoint: no plan")
     try:
         with torch.no_grad():
-            _load_parameters(plan)
+            _load_parameters(engine, plan)
             for name, buf in plan.buffers:
                 buf.copy_(plan.files.read(0, BUFFER_PREFIX + name))
             if load_optimizer:

@@ -16,7 +16,7 @@ import json
 import os
 import struct
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -40,7 +40,9 @@ class TensorEntry:
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
-    produce: Callable[[], torch.Tensor]  # called once, when the entry's bytes are written
+    # Called once, when the entry's bytes are written: the tensor, or its flat elements in
+    # consecutive chunks (state streamed from NVMe files, a tile at a time).
+    produce: Callable[[], torch.Tensor | Iterator[torch.Tensor]]
 
     @property
     def numel(self) -> int:
@@ -83,6 +85,21 @@ def write_tensor_bytes(handle, entry: TensorEntry, tensor: torch.Tensor) -> None
         handle.write(memoryview(flat.view(torch.uint8).numpy()))
 
 
+def write_chunk_bytes(handle, entry: TensorEntry, chunks: Iterator[torch.Tensor]) -> None:
+    """An entry's elements in order, a chunk at a time; together they must be exactly the entry."""
+    written = 0
+    for chunk in chunks:
+        if chunk.dtype != entry.dtype or written + chunk.numel() > entry.numel:
+            raise ValueError(f"{entry.name}: a chunk of {chunk.dtype} {chunk.numel()} elements after {written} does "
+                             f"not fit the header's {entry.dtype} {entry.shape}")
+        flat = chunk.detach().reshape(-1).contiguous().cpu()
+        if flat.numel():
+            handle.write(memoryview(flat.view(torch.uint8).numpy()))
+        written += flat.numel()
+    if written != entry.numel:
+        raise ValueError(f"{entry.name}: produced {written} elements, the header promised {entry.numel}")
+
+
 def write_safetensors(path: str, entries: list[TensorEntry], metadata: dict[str, str] | None = None) -> int:
     """Write ``entries`` to ``path`` one tensor at a time (see [Note: streamed safetensors]),
     flushed to disk before returning. Returns the file's size in bytes."""
@@ -92,7 +109,11 @@ def write_safetensors(path: str, entries: list[TensorEntry], metadata: dict[str,
     with open(path, "wb") as handle:
         handle.write(encode_header(entries, metadata))
         for entry in entries:
-            write_tensor_bytes(handle, entry, entry.produce())
+            produced = entry.produce()
+            if isinstance(produced, torch.Tensor):
+                write_tensor_bytes(handle, entry, produced)
+            else:
+                write_chunk_bytes(handle, entry, produced)
         handle.flush()
         os.fsync(handle.fileno())
     return os.path.getsize(path)

@@ -36,6 +36,7 @@ from hf_zero.checkpoint.manifest import (
     capture_rng, check_plain_json, check_tag, describe_model, encode_state, persistent_buffers,
     rank_file_name, tensor_name,
 )
+from hf_zero.checkpoint.offloaded import is_streamed, streamed_entries
 from hf_zero.checkpoint.safetensors_io import DTYPE_TAGS, TensorEntry, fsync_dir, write_safetensors
 
 
@@ -78,17 +79,27 @@ def _optimizer_state(engine: Any, group: Any) -> tuple[dict[str, torch.Tensor], 
     return elementwise, scalars
 
 
+def _group_tensors(engine: Any, group: Any) -> tuple[TensorEntry, list[tuple[str, TensorEntry]], dict[str, Any]]:
+    """A group's parameter entry (its fp32 master, or a frozen group's compute shard), its
+    element-wise optimizer entries and its optimizer scalars."""
+    if is_streamed(engine, group):  # see [Note: checkpoints of NVMe-offloaded state]
+        return streamed_entries(engine, group)
+    data = group.master if group.master is not None else group.shard
+    elementwise, scalars = _optimizer_state(engine, group)
+    optim = [(key, _entry(tensor_name(group.label, OPTIM_PREFIX + key), value)) for key, value in elementwise.items()]
+    return _entry(tensor_name(group.label, PARAM_KEY), data), optim, scalars
+
+
 def _group_records(engine: Any) -> tuple[list[TensorEntry], list[dict[str, Any]]]:
     entries, records = [], []
     for group, layout in zip(_groups(engine), engine.layout()):
-        data = group.master if group.master is not None else group.shard
-        elementwise, scalars = _optimizer_state(engine, group)
+        param, optim, scalars = _group_tensors(engine, group)
         label = group.label
-        tensors = {PARAM_KEY: DTYPE_TAGS.get(data.dtype, str(data.dtype))}
-        entries.append(_entry(tensor_name(label, PARAM_KEY), data))
-        for key, value in elementwise.items():
-            entries.append(_entry(tensor_name(label, OPTIM_PREFIX + key), value))
-            tensors[OPTIM_PREFIX + key] = DTYPE_TAGS.get(value.dtype, str(value.dtype))
+        tensors = {PARAM_KEY: DTYPE_TAGS.get(param.dtype, str(param.dtype))}
+        entries.append(param)
+        for key, entry in optim:
+            entries.append(entry)
+            tensors[OPTIM_PREFIX + key] = DTYPE_TAGS.get(entry.dtype, str(entry.dtype))
         record = dict(layout, tensors=tensors,
                       optimizer_scalars=encode_state(scalars, f"optimizer state of {label}"))
         records.append(record)
