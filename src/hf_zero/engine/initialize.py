@@ -181,13 +181,18 @@ def initialize(
     if offload.params == "nvme":
         offload = dataclasses.replace(offload, param_store=_nvme_param_store(resolved, model, comm, threshold))
     unit_offloads = _offload_by_unit(resolved, offload, plan.units)
-    units = [
-        ZeroUnit(i, spec, param_group_of, comm, resolved.stage, resolved.compute_dtype, device, threshold,
-                 source, unit_offloads[i])
-        for i, spec in enumerate(plan.units)
-    ]
-    if offload.param_store is not None:
-        offload.param_store.allocate_buffers()
+    try:
+        units = [
+            ZeroUnit(i, spec, param_group_of, comm, resolved.stage, resolved.compute_dtype, device, threshold,
+                     source, unit_offloads[i])
+            for i, spec in enumerate(plan.units)
+        ]
+        if offload.param_store is not None:
+            offload.param_store.allocate_buffers()
+    except BaseException:
+        if offload.param_store is not None:  # a failed initialize leaves no files behind
+            offload.param_store.close()
+        raise
     if source is not None:
         delattr(model, SOURCE_ATTRIBUTE)  # the weights are in the shards now; close the files
     if comm.rank == 0:

@@ -19,8 +19,10 @@ long) in ``<nvme_path>/hf_zero-rank<r>-pid<pid>/params/<group label>.<dtype>``; 
   each NVMe optimizer tile) is written back to the file, through a pool buffer when it must be
   cast or copied off the device. A file-backed group therefore always has a separate fp32
   master, even with fp32 compute.
-- The files are removed when the store is garbage-collected or at a clean exit; a missing,
-  read-only or too small ``nvme_path`` is an error before anything is written.
+- The files are removed at a clean exit (or when the store is garbage-collected, or when
+  ``initialize`` fails after creating them); a second engine in the same process gets its own
+  ``params-<n>`` folder. A missing, read-only or too small ``nvme_path`` is an error before
+  anything is written.
 """
 
 from __future__ import annotations
