@@ -129,12 +129,15 @@ def test_contradictions(config: dict[str, Any], path: str, rule_part: str) -> No
     assert problem.path == path and rule_part in problem.rule
 
 
-def test_offload_contradictions_are_reported_beside_not_implemented() -> None:
-    problems = _problems({"zero_optimization": {"stage": 2, "offload_param": {"device": "nvme"}}})
+def test_offload_contradictions_are_all_reported() -> None:
+    problems = _problems({"zero_optimization": {"stage": 2, "offload_param": {"device": "nvme", "buffer_count": 0}}})
     rules = {(p.path, p.rule.split(" (")[0]) for p in problems}
-    assert ("zero_optimization.offload_param.device", NOT_IMPLEMENTED) in rules
-    assert ("zero_optimization.offload_param.nvme_path", "device 'nvme' needs nvme_path") in rules
-    assert ("zero_optimization.offload_param.device", "parameter offload needs ZeRO stage 3") in rules
+    assert rules == {
+        ("zero_optimization.offload_param.nvme_path", "device 'nvme' needs nvme_path"),
+        ("zero_optimization.offload_param.buffer_count",
+         "device 'nvme' reads shards through buffer_count host buffers, so it needs at least one"),
+        ("zero_optimization.offload_param.device", "parameter offload needs ZeRO stage 3"),
+    }
 
 
 def test_offload_contradictions_once_offload_is_implemented(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -143,19 +146,29 @@ def test_offload_contradictions_once_offload_is_implemented(monkeypatch: pytest.
     monkeypatch.setattr(keys, "OFFLOAD_DEVICES_NOT_IMPLEMENTED", ())
     problems = _problems({"zero_optimization": {"stage": 0, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}})
     assert [p.path for p in problems] == [
-        "zero_optimization.offload_optimizer.ratio",  # partial offload itself is not implemented
         "zero_optimization.offload_param.device",
-        "zero_optimization.offload_optimizer.device",
-        "zero_optimization.offload_optimizer.ratio",
+        "zero_optimization.offload_optimizer.device",  # ratio itself is fine wherever cpu offload is
     ]
-    assert NOT_IMPLEMENTED in problems[0].rule
-    assert "stage 3" in problems[1].rule and "stage 1, 2 or 3" in problems[2].rule and "stage 3" in problems[3].rule
+    assert "stage 3" in problems[0].rule and "stage 1, 2 or 3" in problems[1].rule
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_partial_optimizer_offload_is_accepted_with_device_cpu(stage: int) -> None:
+    zero = HfZeroConfig({"zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}}).zero
+    assert zero.offload_optimizer.ratio == 0.5
+
+
+@pytest.mark.parametrize("device", ["none", "nvme"])
+def test_partial_optimizer_offload_needs_device_cpu(device: str) -> None:
+    section = {"device": device, "ratio": 0.3, **({"nvme_path": "/tmp"} if device == "nvme" else {})}
+    problem = _one({"zero_optimization": {"stage": 3, "offload_optimizer": section}})
+    assert problem.path == "zero_optimization.offload_optimizer.ratio" and f"device is {device!r}" in problem.rule
+    assert "cpu" in problem.fix
 
 
 @pytest.mark.parametrize(
     ("config", "path"),
     [
-        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}}, "zero_optimization.offload_param.device"),
         ({"zero_optimization": {"stage": 2, "cpu_offload": True}}, "zero_optimization.cpu_offload"),
         ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "zero_optimization.zero_quantized_weights"),
         ({"zero_optimization": {"stage": 3, "zero_quantized_nontrainable_weights": True}}, "zero_optimization.zero_quantized_nontrainable_weights"),
@@ -163,7 +176,7 @@ def test_offload_contradictions_once_offload_is_implemented(monkeypatch: pytest.
         ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}}, "zero_optimization.zero_hpz_partition_size"),
         ({"zero_optimization": {"stage": 3, "zenflow": {"topk_ratio": 0.1}}}, "zero_optimization.zenflow"),
         ({"zero_optimization": {"stage": 3, "stage3_module_granularity_threshold": 100}}, "zero_optimization.stage3_module_granularity_threshold"),
-        ({"zero_optimization": {"stage": 3, "offload_optimizer": {"ratio": 0.3}}}, "zero_optimization.offload_optimizer.ratio"),
+        ({"zero_optimization": {"stage": 3, "offload_optimizer": {"super_offload": True}}}, "zero_optimization.offload_optimizer.super_offload"),
         ({"zero_optimization": {"stage": 2, "ignore_unused_parameters": False}}, "zero_optimization.ignore_unused_parameters"),
         ({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3, "max_coeff": 10}}}, "optimizer.type"),
         ({"optimizer": {"type": "lion"}}, "optimizer.type"),
@@ -297,7 +310,7 @@ def test_every_problem_is_listed_in_one_error() -> None:
             "overlap_com": True,  # nested typo
             "reduce_bucket_size": -5,  # out of range
             "zero_quantized_weights": True,  # not implemented
-            "offload_param": {"device": "nvme"},  # not implemented + missing nvme_path
+            "offload_param": {"device": "nvme"},  # missing nvme_path
         },
         "fp16": {"enabled": True},
         "bf16": {"enabled": True},  # contradiction
@@ -312,7 +325,6 @@ def test_every_problem_is_listed_in_one_error() -> None:
         "zero_optimization.overlap_com",
         "zero_optimization.reduce_bucket_size",
         "zero_optimization.zero_quantized_weights",
-        "zero_optimization.offload_param.device",
         "optimizer.params.max_grad_norm",
         "bf16.enabled",
         "zero_optimization.offload_param.nvme_path",

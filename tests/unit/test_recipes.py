@@ -34,8 +34,9 @@ def test_recipe_validates_and_resolves(path: Path) -> None:
     if "offload" in path.stem:
         assert zero.offload_optimizer.device == "cpu"
         assert (zero.offload_param is not None and zero.offload_param.device == "cpu") == (stage == 3)
-    if "nvme" in path.stem:  # only the optimizer goes to NVMe: parameter offload to NVMe is not implemented
-        assert zero.offload_optimizer.device == "nvme" and zero.offload_param is None
+    if "nvme" in path.stem:  # ZeRO-Infinity: optimizer state and stage-3 parameters on NVMe
+        assert zero.offload_optimizer.device == "nvme" and zero.offload_param.device == "nvme"
+        assert zero.offload_param.max_in_cpu == 10**9 and zero.offload_param.buffer_size == 10**8
     assert resolved.bf16.enabled == path.stem.endswith("bf16")
     assert resolved.fp16.enabled == path.stem.endswith("fp16")
     if stage == 3:

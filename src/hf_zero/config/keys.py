@@ -76,8 +76,6 @@ NOT_IMPLEMENTED = Status.NOT_IMPLEMENTED
 # ---- one-line flips -------------------------------------------------------------------------
 # Remove "cpu" (then "nvme") when offload/ implements it; every offload check reads this tuple.
 OFFLOAD_DEVICES_NOT_IMPLEMENTED: tuple[str, ...] = ()
-# Parameter offload to NVMe (ZeRO-Infinity's param swapping) is not implemented yet.
-PARAM_OFFLOAD_DEVICES_NOT_IMPLEMENTED: tuple[str, ...] = ("nvme",)
 
 # Optimizer / scheduler types hf_zero runs (DeepSpeed's spelling; optimizer types match
 # case-insensitively, as DeepSpeed lower-cases them).
@@ -226,10 +224,6 @@ def _offload_device_off(value: Any) -> bool:
     return value not in OFFLOAD_DEVICES_NOT_IMPLEMENTED
 
 
-def _param_offload_device_off(value: Any) -> bool:
-    return value not in PARAM_OFFLOAD_DEVICES_NOT_IMPLEMENTED
-
-
 def _legacy_cpu_offload_off(value: Any) -> bool:
     # DeepSpeed's deprecated booleans; hf_zero asks for the offload_* sections instead.
     return not value
@@ -283,7 +277,7 @@ def _deepcompile_off(value: Any) -> bool:
 
 _NI_REASON_OFFLOAD = "the deprecated boolean; write zero_optimization.offload_optimizer / offload_param {\"device\": \"cpu\"} instead"
 _NI_ZEROPP = "ZeRO++ quantized / hierarchical communication"
-_ONLY_NVME = "NVMe I/O tuning, only read when offloading to nvme"
+_ONLY_NVME = "NVMe I/O tuning for DeepSpeed's async I/O; hf_zero reads and writes its NVMe files with synchronous preadv/pwrite"
 _MONITOR = "monitoring backends are not wired into hf_zero; use the Trainer's report_to"
 _APEX = "apex AMP argument, only read when amp.enabled is true (not implemented)"
 _FP16_ONLY = "fp16.enabled"
@@ -342,7 +336,7 @@ _SPECS: list[KeySpec] = [
     KeySpec("zero_optimization.offload_param", Section(), None, "Parameter offload (stage 3 only).", nullable=True),
     KeySpec("zero_optimization.offload_optimizer", Section(), None, "Optimizer state offload (stages 1-3).", nullable=True),
     KeySpec("zero_optimization.zenflow", Opaque(), None, "ZenFlow (stall-free offload).", NOT_IMPLEMENTED, "ZenFlow", nullable=True, off=lambda v: v is None, when_on="present"),
-    KeySpec("zero_optimization.sub_group_size", Int(), 1_000_000_000, "Optimizer-step tile size in elements.", NO_EFFECT, "each rank steps its flat shards group by group; tiles matter only for NVMe offload, not implemented yet", check=at_least(0)),
+    KeySpec("zero_optimization.sub_group_size", Int(), 1_000_000_000, "Optimizer-step tile size in elements: hf_zero's NVMe optimizer offload reads, steps and writes the state in tiles of this size (other steps run whole flat shards).", check=at_least(0)),
     KeySpec("zero_optimization.cpu_offload", Bool(), None, "Deprecated: true means offload_optimizer.device cpu.", NOT_IMPLEMENTED, _NI_REASON_OFFLOAD, nullable=True, off=_legacy_cpu_offload_off, when_on="true"),
     KeySpec("zero_optimization.cpu_offload_param", Bool(), None, "Deprecated: true means offload_param.device cpu.", NOT_IMPLEMENTED, _NI_REASON_OFFLOAD, nullable=True, off=_legacy_cpu_offload_off, when_on="true"),
     KeySpec("zero_optimization.cpu_offload_use_pin_memory", Bool(), None, "Deprecated pin_memory for the two keys above.", NO_EFFECT, "deprecated; only read with cpu_offload", nullable=True),
@@ -379,22 +373,22 @@ _SPECS: list[KeySpec] = [
     KeySpec("zero_optimization.leaf_module.name_suffixes", StrList(), [], "Leaf module name suffixes.", NO_EFFECT, "hf_zero gathers every unit whole, so modules inside a unit are already fetched as one"),
     KeySpec("zero_optimization.wrap_modules", StrList(), None, "hf_zero only: class names that each form one unit (default: model._no_split_modules).", nullable=True),
     # -- offload_param (runtime/zero/offload_config.py) --
-    KeySpec("zero_optimization.offload_param.device", Choice(("none", "cpu", "nvme")), "none", "Where stage-3 parameters live between uses.", NOT_IMPLEMENTED, "parameter offload to NVMe", off=_param_offload_device_off, when_on='"nvme"'),
+    KeySpec("zero_optimization.offload_param.device", Choice(("none", "cpu", "nvme")), "none", "Where stage-3 parameters live between uses: host memory (cpu) or files under nvme_path (nvme)."),
     KeySpec("zero_optimization.offload_param.nvme_path", Str(), None, "Directory for nvme offload.", nullable=True),
-    KeySpec("zero_optimization.offload_param.buffer_count", Int(), 5, "Buffers in the nvme swap pool.", check=at_least(0)),
-    KeySpec("zero_optimization.offload_param.buffer_size", Int(), 100_000_000, "Elements per nvme swap buffer.", check=at_least(0)),
-    KeySpec("zero_optimization.offload_param.max_in_cpu", Int(), 1_000_000_000, "Elements kept in host memory when offloading to nvme.", check=at_least(0)),
+    KeySpec("zero_optimization.offload_param.buffer_count", Int(), 5, "Host buffers NVMe-offloaded shards are read into; at most this many are in host memory at once (nvme only).", check=at_least(0)),
+    KeySpec("zero_optimization.offload_param.buffer_size", Int(), 100_000_000, "Elements a swap buffer may hold: the largest NVMe-offloaded shard must fit (nvme only).", check=at_least(0)),
+    KeySpec("zero_optimization.offload_param.max_in_cpu", Int(), 1_000_000_000, "Elements of a rank's shards kept in host memory instead of files, first units first (nvme only).", check=at_least(0)),
     KeySpec("zero_optimization.offload_param.pin_memory", Bool(), True, "Use page-locked host memory."),
     # -- offload_optimizer --
     KeySpec("zero_optimization.offload_optimizer.device", Choice(("none", "cpu", "nvme")), "none", "Where the fp32 master and optimizer state live; the step runs on the CPU."),
     KeySpec("zero_optimization.offload_optimizer.nvme_path", Str(), None, "Directory for nvme offload.", nullable=True),
-    KeySpec("zero_optimization.offload_optimizer.buffer_count", Int(), 4, "Buffers in the nvme swap pool.", check=at_least(0)),
+    KeySpec("zero_optimization.offload_optimizer.buffer_count", Int(), 4, "Buffers in the nvme swap pool.", NO_EFFECT, "the NVMe optimizer step streams each state through one tile buffer of sub_group_size elements", check=at_least(0)),
     KeySpec("zero_optimization.offload_optimizer.pin_memory", Bool(), True, "Use page-locked host memory."),
     KeySpec("zero_optimization.offload_optimizer.pipeline_read", Bool(), False, "Overlap reading the next tile with the current step.", NO_EFFECT, "an nvme speed hint"),
     KeySpec("zero_optimization.offload_optimizer.pipeline_write", Bool(), False, "Overlap writing the previous tile with the current step.", NO_EFFECT, "an nvme speed hint"),
     KeySpec("zero_optimization.offload_optimizer.pipeline", Bool(), False, "Older spelling of pipeline_read/pipeline_write.", NO_EFFECT, "an nvme speed hint"),
     KeySpec("zero_optimization.offload_optimizer.fast_init", Bool(), False, "Fast optimizer initialisation with nvme.", NO_EFFECT, "an nvme speed hint"),
-    KeySpec("zero_optimization.offload_optimizer.ratio", Float(), 1.0, "Fraction of optimizer state offloaded (Twin-Flow below 1.0, stage 3 only).", NOT_IMPLEMENTED, "partial (Twin-Flow) offload", check=between(0.0, 1.0), off=lambda v: v >= 1.0, when_on="< 1.0"),
+    KeySpec("zero_optimization.offload_optimizer.ratio", Float(), 1.0, "Fraction of the optimizer state offloaded with device cpu (Twin-Flow below 1.0): whole units, in model order; the rest steps on the compute device.", check=between(0.0, 1.0)),
     KeySpec("zero_optimization.offload_optimizer.super_offload", Bool(), False, "SuperOffload for superchips (stage 3).", NOT_IMPLEMENTED, "SuperOffload", when_on="true"),
     KeySpec("zero_optimization.offload_optimizer.convert_grad_on_cpu", Bool(), True, "Convert gradients to fp32 on the CPU (vs the GPU).", NO_EFFECT, "a speed hint; the values are identical"),
     KeySpec("zero_optimization.offload_optimizer.cpuadam_cores_perc", Float(), 0.8, "Share of CPU cores for the CPU Adam step.", NO_EFFECT, "a speed hint", check=between(0.0, 1.0)),

@@ -101,11 +101,13 @@ class OffloadParamConfig(_Typed):
     pin_memory: bool
     """Page-locked host buffers. Default True."""
     buffer_count: int
-    """Buffers in the NVMe swap pool. Default 5."""
+    """Host buffers NVMe-offloaded shards are read into before their gather; at most this many
+    shards are in host memory at once. Default 5."""
     buffer_size: int
-    """Elements per NVMe swap buffer. Default 1e8."""
+    """Elements a swap buffer may hold: the largest NVMe-offloaded shard must fit. Default 1e8."""
     max_in_cpu: int
-    """Parameter elements kept in host memory when offloading to NVMe. Default 1e9."""
+    """Elements of a rank's shards kept in host memory instead of files (the first units first)
+    when offloading to NVMe. Default 1e9."""
 
 
 @dataclass(frozen=True, repr=False, eq=False)
@@ -120,9 +122,10 @@ class OffloadOptimizerConfig(_Typed):
     pin_memory: bool
     """Page-locked host buffers. Default True."""
     buffer_count: int
-    """Buffers in the NVMe swap pool. Default 4."""
+    """Buffers in DeepSpeed's NVMe swap pool; no effect in hf_zero. Default 4."""
     ratio: float
-    """Fraction of the optimizer state offloaded (below 1.0 only at stage 3). Default 1.0."""
+    """Fraction of the optimizer state offloaded with device "cpu" (Twin-Flow below 1.0; whole
+    units in model order, see hf_zero.offload.placement). Default 1.0."""
     pipeline_read: bool
     """Overlap reading the next NVMe tile with the current step. Default False."""
     pipeline_write: bool

@@ -297,9 +297,12 @@ def _check_offload(root: dict[str, Any], problems: ProblemList) -> None:
             _check_offload_section(name, section, stage, problems)
     optim = zero.get("offload_optimizer")
     ratio = optim.get("ratio", 1.0) if isinstance(optim, dict) else 1.0
-    if isinstance(ratio, (int, float)) and ratio < 1.0 and stage is not None and stage != 3:
-        rule = f"partial offload (ratio < 1) needs ZeRO stage 3 (stage is {stage})"
-        problems.add("zero_optimization.offload_optimizer.ratio", ratio, rule, "set ratio to 1.0, or use stage 3")
+    device = optim.get("device", "none") if isinstance(optim, dict) else "none"
+    if isinstance(ratio, (int, float)) and 0.0 <= ratio < 1.0 and device != "cpu":
+        # DeepSpeed's Twin-Flow: a part of the state on the host, the rest on the device.
+        rule = f"partial offload (ratio < 1) is implemented for device \"cpu\" (device is {device!r})"
+        problems.add("zero_optimization.offload_optimizer.ratio", ratio, rule,
+                     'set offload_optimizer.device to "cpu", or ratio to 1.0')
     for legacy, modern in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
         if zero.get(legacy) is not None and zero.get(modern) is not None:
             rule = f"is the deprecated form of '{modern}', which is also given"
@@ -314,6 +317,10 @@ def _check_offload_section(name: str, section: dict[str, Any], stage: int | None
         problems.add(f"{path}.nvme_path", MISSING, "device 'nvme' needs nvme_path", fix)
     if device not in ("cpu", "nvme") or stage is None:
         return
+    buffers = _int(section.get("buffer_count", 5))
+    if name == "offload_param" and device == "nvme" and buffers is not None and buffers < 1:
+        rule = "device 'nvme' reads shards through buffer_count host buffers, so it needs at least one"
+        problems.add(f"{path}.buffer_count", section["buffer_count"], rule, "set buffer_count to 1 or more (default 5)")
     if name == "offload_param" and stage != 3:
         rule = f"parameter offload needs ZeRO stage 3 (stage is {stage})"
         problems.add(f"{path}.device", device, rule, "set zero_optimization.stage to 3, or remove offload_param")

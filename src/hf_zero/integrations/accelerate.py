@@ -43,6 +43,7 @@ FIELD_PATHS: dict[str, str] = {
     "offload_optimizer_device": "zero_optimization.offload_optimizer.device",
     "offload_optimizer_nvme_path": "zero_optimization.offload_optimizer.nvme_path",
     "offload_param_device": "zero_optimization.offload_param.device",
+    "offload_param_nvme_path": "zero_optimization.offload_param.nvme_path",
     "zero3_save_16bit_model": "zero_optimization.stage3_gather_16bit_weights_on_model_save",
 }
 
@@ -117,7 +118,9 @@ class HfZeroPlugin:
     offload_optimizer_nvme_path: str | None = None
     """zero_optimization.offload_optimizer.nvme_path. Env: HF_ZERO_OFFLOAD_OPTIMIZER_NVME_PATH."""
     offload_param_device: str | None = None
-    """zero_optimization.offload_param.device: "none" or "cpu" (stage 3). Env: HF_ZERO_OFFLOAD_PARAM_DEVICE."""
+    """zero_optimization.offload_param.device: "none", "cpu" or "nvme" (stage 3). Env: HF_ZERO_OFFLOAD_PARAM_DEVICE."""
+    offload_param_nvme_path: str | None = None
+    """zero_optimization.offload_param.nvme_path. Env: HF_ZERO_OFFLOAD_PARAM_NVME_PATH."""
     zero3_save_16bit_model: bool | None = None
     """stage3_gather_16bit_weights_on_model_save. Env: HF_ZERO_ZERO3_SAVE_16BIT_MODEL."""
     is_train_batch_min: bool = True
