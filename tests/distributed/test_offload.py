@@ -1,5 +1,6 @@
-"""Offload of optimizer state (cpu, nvme) and of stage-3 parameters (cpu): same training, the
-expected bytes moved off the device, optimizer state leaving the resident set under NVMe."""
+"""Offload of optimizer state (cpu, nvme, partial with ratio < 1) and of stage-3 parameters (cpu,
+nvme): same training, the expected bytes moved off the device, optimizer state leaving the
+resident set under NVMe, checkpoints of NVMe-offloaded state resuming without offload."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import textwrap
 from typing import Any
 
 import pytest
+import torch
 
 from tests.distributed import scenarios as S
 from tests.distributed.launch import run_distributed
@@ -18,12 +20,16 @@ from tests.distributed.launch import run_distributed
 NVME_DIR = os.path.join(tempfile.gettempdir(), "hf_zero_test_nvme")
 
 
-def _offload(optimizer: str = "none", params: str = "none") -> dict[str, Any]:
+def _offload(optimizer: str = "none", params: str = "none", ratio: float = 1.0, **param_nvme: int) -> dict[str, Any]:
     zero: dict[str, Any] = {"sub_group_size": 1000}  # several NVMe tiles per group
     if optimizer != "none":
         zero["offload_optimizer"] = {"device": optimizer, **({"nvme_path": NVME_DIR} if optimizer == "nvme" else {})}
+        if ratio < 1.0:
+            zero["offload_optimizer"]["ratio"] = ratio
     if params != "none":
         zero["offload_param"] = {"device": params}
+    if params == "nvme":  # max_in_cpu 0 unless given: every shard in a file
+        zero["offload_param"].update({"nvme_path": NVME_DIR, "max_in_cpu": 0, **param_nvme})
     return zero
 
 
@@ -36,6 +42,14 @@ CASES = {
     "param_cpu_s3": S.scenario("gpt2", 3, 1, zero=_offload(params="cpu")),
     "both_cpu_s3": S.scenario("llama", 3, 2, zero=_offload("cpu", "cpu")),
     "bf16_opt_cpu_s3": S.scenario("gpt2", 3, 1, dtype="bf16", zero=_offload("cpu")),
+    # buffer_count 1 < the units prefetched at once: the pool waits for the oldest gather
+    "param_nvme_s3": S.scenario("gpt2", 3, 1, zero=_offload(params="nvme", buffer_count=1)),
+    # max_in_cpu keeps the first shards on the host (one unit at world 1, two at world 2)
+    "param_nvme_opt_cpu_s3": S.scenario("gpt2", 3, 2, zero=_offload("cpu", "nvme", max_in_cpu=3000, buffer_count=2)),
+    "param_nvme_opt_nvme_s3": S.scenario("gpt2", 3, 1, freeze=True, zero=_offload("nvme", "nvme")),
+    "bf16_param_nvme_s3": S.scenario("llama", 3, 1, dtype="bf16", zero=_offload(params="nvme")),
+    "ratio_half_s3": S.scenario("gpt2", 3, 1, zero=_offload("cpu", ratio=0.5)),
+    "ratio_half_s2": S.scenario("llama", 2, 2, zero=_offload("cpu", ratio=0.5)),
 }
 
 
@@ -43,7 +57,8 @@ def _baseline(sc: dict[str, Any]) -> dict[str, Any]:
     return dict(sc, zero={"sub_group_size": 1000})
 
 
-ALL = list(CASES.values()) + [_baseline(sc) for sc in CASES.values()]
+ALL = list(CASES.values())
+ALL += [b for i, b in enumerate(_baseline(sc) for sc in CASES.values()) if b not in ALL[: len(CASES) + i]]
 
 
 def _worker(scenarios: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -101,6 +116,96 @@ def test_param_offload_keeps_stage3_shards_on_the_host(runs):
     for off, base in zip(offloaded, baseline):
         assert off["memory"]["compute_params"] == 0
         assert off["memory"]["host_params"] == base["memory"]["compute_params"]
+
+
+def _nvme_groups(result: dict[str, Any], max_in_cpu: int) -> tuple[list[dict], list[dict]]:
+    """(shards kept in host memory, shards in files) by the documented max_in_cpu rule: the
+    first sharded groups, in model order, whose shard elements add up to at most max_in_cpu."""
+    cached, in_files, used = [], [], 0
+    for g in result["layout"]:
+        shard = g["padded_numel"] // g["world_size"]
+        if used + shard <= max_in_cpu:
+            used += shard
+            cached.append(g)
+        else:
+            in_files.append(g)
+    return cached, in_files
+
+
+def _bytes(groups: list[dict], itemsize: int) -> int:
+    return sum(itemsize * g["padded_numel"] // g["world_size"] for g in groups)
+
+
+@pytest.mark.parametrize("name", ["param_nvme_s3", "param_nvme_opt_cpu_s3", "param_nvme_opt_nvme_s3", "bf16_param_nvme_s3"])
+def test_nvme_param_offload_puts_the_shards_in_files(runs, name):
+    offloaded, baseline = _pair(runs, name)
+    param = CASES[name]["zero"]["offload_param"]
+    optimizer = CASES[name]["zero"].get("offload_optimizer", {}).get("device", "none")
+    itemsize = 2 if CASES[name]["dtype"] == "bf16" else 4
+    for off, base in zip(offloaded, baseline):
+        m, b = off["memory"], base["memory"]
+        cached, in_files = _nvme_groups(off, param["max_in_cpu"])
+        assert in_files, "the case must put some shards in files"
+        assert (name == "param_nvme_opt_cpu_s3") == bool(cached)
+        pool = param.get("buffer_count", 5) * max(itemsize * g["padded_numel"] // g["world_size"] for g in in_files)
+        assert m["compute_params"] == 0
+        assert m["host_params"] == _bytes(cached, itemsize) + pool
+        trainable = [g for g in off["layout"] if g["trainable"]]
+        optimizer_files = 3 * _bytes(trainable, 4) if optimizer == "nvme" else 0
+        assert m["nvme"] == _bytes(in_files, itemsize) + optimizer_files
+        if optimizer == "none":  # a file-backed shard cannot be the master: a separate fp32 copy
+            file_trainable = [g for g in in_files if g["trainable"]]
+            assert m["fp32_master"] == b["fp32_master"] + (_bytes(file_trainable, 4) if itemsize == 4 else 0)
+            assert m["optimizer_state"] == b["optimizer_state"]
+        assert m["total"] + m["host_total"] + m["nvme"] > b["total"]  # nothing vanished
+
+
+def _offloaded_units(result: dict[str, Any], ratio: float) -> set[str]:
+    """The documented ratio rule, by hand: units in model order, each offloaded when that brings
+    the offloaded element count closer to ratio x all trainable elements."""
+    numel: dict[str, int] = {}
+    for g in result["layout"]:
+        numel[g["unit"]] = numel.get(g["unit"], 0) + (g["numel"] if g["trainable"] else 0)
+    target, done, chosen = ratio * sum(numel.values()), 0, set()
+    for unit, n in numel.items():
+        if done + n / 2 <= target:
+            done += n
+            chosen.add(unit)
+    return chosen
+
+
+@pytest.mark.parametrize("name", ["ratio_half_s3", "ratio_half_s2"])
+def test_ratio_offloads_about_that_share_of_the_optimizer_state(runs, name):
+    offloaded, baseline = _pair(runs, name)
+    for off, base in zip(offloaded, baseline):
+        m, b = off["memory"], base["memory"]
+        hosted = _offloaded_units(off, 0.5)
+        on_host = [g for g in off["layout"] if g["trainable"] and g["unit"] in hosted]
+        kept = [g for g in off["layout"] if g["trainable"] and g["unit"] not in hosted]
+        assert on_host and kept
+        assert 0.3 <= sum(g["numel"] for g in on_host) / sum(g["numel"] for g in on_host + kept) <= 0.7
+        assert m["host_optimizer_state"] == 2 * _shard_bytes({"layout": on_host})
+        assert m["optimizer_state"] == 2 * _shard_bytes({"layout": kept})
+        assert m["host_fp32_master"] == m["host_gradients"] == _shard_bytes({"layout": on_host})
+        assert m["gradients"] == _shard_bytes({"layout": kept}) and m["fp32_master"] == 0  # fp32: aliased
+        assert m["optimizer_state"] + m["host_optimizer_state"] == b["optimizer_state"]
+        assert m["compute_params"] == b["compute_params"]
+
+
+@pytest.mark.parametrize("name", ["opt_cpu_s1", "opt_cpu_s2", "opt_cpu_s3", "both_cpu_s3"])
+def test_estimator_offload_rows_equal_the_engine_memory_report(runs, name):
+    from hf_zero.estimator import estimate_model_states
+    from tests.tiny_models import BUILDERS
+
+    sc = CASES[name]
+    both = "offload_param" in sc["zero"]
+    for off in _pair(runs, name)[0]:
+        world = len(runs)
+        rows = estimate_model_states(BUILDERS[sc["model"]](), num_gpus_per_node=world, dtype=sc["dtype"],
+                                     stages=[sc["stage"]], persistence_threshold=0)
+        row = next(r for r in rows if r.offload_optimizer and r.offload_param == both)
+        m = off["memory"]
+        assert (row.device_bytes, row.host_bytes) == (m["total"] - m["buffers"], m["host_total"])
 
 
 # ------------------------------------------------------------------ NVMe resident memory
@@ -168,3 +273,208 @@ def test_bad_nvme_path_is_an_error_before_training(tmp_path):
         del config["optimizer"]
         hf_zero.initialize(model=model, config=config, optimizer=torch.optim.AdamW(model.parameters()))
     assert os.listdir(tmp_path) == []
+
+
+def test_bad_nvme_path_for_param_offload_is_an_error_before_training(tmp_path, monkeypatch):
+    import shutil
+
+    import hf_zero
+    from hf_zero.config import HfZeroConfigError
+
+    sc = S.scenario("gpt2", 3)
+
+    def initialize(**param: Any) -> Any:
+        config = S.make_config(sc)
+        config["zero_optimization"]["offload_param"] = {"device": "nvme", "max_in_cpu": 0, **param}
+        return hf_zero.initialize(model=S.build_model(sc), config=config)
+
+    with pytest.raises(FileNotFoundError, match="nvme_path"):
+        initialize(nvme_path=str(tmp_path / "nope"))
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(FileNotFoundError, match="nvme_path"):
+        initialize(nvme_path=str(tmp_path / "a_file"))
+    drive = tmp_path / "drive"
+    drive.mkdir()
+    with pytest.raises(HfZeroConfigError, match="buffer_size") as info:
+        initialize(nvme_path=str(drive), buffer_size=100)  # smaller than a unit's shard
+    assert "set buffer_size to at least 2896" in str(info.value)
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: real(path)._replace(free=1000))
+    with pytest.raises(OSError, match="offloaded parameter shards of this rank needs"):
+        initialize(nvme_path=str(drive))
+    monkeypatch.undo()
+    assert os.listdir(drive) == []  # the buffer_size failure removed the files it had written
+
+
+# ------------------------------------------------------------------ files removed at exit
+FILES_SCRIPT = textwrap.dedent("""
+    import json, os, sys, torch, hf_zero
+    sys.path.insert(0, sys.argv[2])
+    from tests.distributed import scenarios as S
+    def listing():
+        return sorted(os.path.relpath(os.path.join(r, f), sys.argv[1]) for r, _, fs in os.walk(sys.argv[1]) for f in fs)
+    sc = S.scenario("gpt2", 3)
+    config = S.make_config(sc)
+    nvme = {"device": "nvme", "nvme_path": sys.argv[1]}
+    config["zero_optimization"].update(offload_optimizer=nvme, offload_param=dict(nvme, max_in_cpu=0))
+    config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    first, *_ = hf_zero.initialize(model=S.build_model(sc), config=config)
+    with_first = listing()
+    config["zero_optimization"]["offload_optimizer"] = nvme
+    engine, *_ = hf_zero.initialize(model=S.build_model(sc), config=config)  # another engine, its own folder
+    ids = torch.randint(0, 97, (2, 12))
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    print(json.dumps({"with_first": with_first, "with_both": listing(), "pid": os.getpid()}))
+""")
+
+
+def test_nvme_files_are_clearly_named_and_removed_at_exit(tmp_path):
+    import json
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    done = subprocess.run([sys.executable, "-c", FILES_SCRIPT, str(tmp_path), root], capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    folder = f"hf_zero-rank0-pid{out['pid']}"
+    params = [f"{folder}/{{}}/transformer.h.0#0.fp32", f"{folder}/{{}}/transformer.h.1#0.fp32", f"{folder}/{{}}/_root_#0.fp32"]
+    optimizer = [f"{folder}/group{i:04d}.{state}.fp32" for i in range(3) for state in ("master", "exp_avg", "exp_avg_sq")]
+    assert out["with_first"] == sorted(p.format("params") for p in params)
+    assert out["with_both"] == sorted([p.format("params") for p in params] + [p.format("params-1") for p in params] + optimizer)
+    assert os.listdir(tmp_path) == []  # everything removed at a clean exit
+
+
+# ------------------------------------------------------------------ sharded loading into NVMe
+def test_sharded_from_pretrained_writes_each_shard_to_its_file(tmp_path):
+    import transformers
+
+    import hf_zero
+    from tests.tiny_models import BUILDERS
+
+    BUILDERS["llama"](seed=3).save_pretrained(tmp_path / "model")
+    drive = tmp_path / "drive"
+    drive.mkdir()
+    config = S.make_config(S.scenario("llama", 3))
+    config["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": str(drive), "max_in_cpu": 0}
+    live = hf_zero.HfZeroConfig(config)  # kept alive while loading: sharded from_pretrained
+    lazy = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "model")
+    assert all(p.is_meta for p in lazy.parameters())
+    engine, *_ = hf_zero.initialize(model=lazy, config=config)
+    del live
+    plain = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "model").eval()
+    ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(0))
+    engine.eval()
+    with torch.no_grad():
+        assert torch.equal(engine(input_ids=ids).logits, plain(input_ids=ids).logits)
+    memory = engine.memory_report()
+    assert memory["compute_params"] == 0 and memory["nvme"] == 4 * sum(g["padded_numel"] for g in engine.layout())
+    engine.train()
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    assert engine.global_steps == 1
+
+
+# ------------------------------------------------------------------ checkpoints of NVMe-offloaded state
+CKPT_STEPS, CKPT_SAVE_AT, CKPT_ROWS = 5, 3, 6  # the global batch is kept: 2 ranks x 3 rows, 1 rank x 6
+NVME_BOTH = _offload("nvme", "nvme", buffer_count=2)
+NVME_PARAMS_CPU_OPT = _offload("cpu", "nvme", max_in_cpu=1000)
+
+
+def _ckpt_sc(world: int, zero: dict[str, Any]) -> dict[str, Any]:
+    # frozen parameters: their compute shards are saved from (and loaded into) their files too
+    return S.scenario("gpt2", 3, 1, micro=CKPT_ROWS // world, freeze=True, zero=zero)
+
+
+def _ckpt_train(root: str, zero: dict[str, Any], load: str | None, save: str | None) -> dict[str, Any]:
+    from tests.distributed.test_checkpoint import _engine, _mean_over_ranks, _train
+
+    world = int(os.environ["WORLD_SIZE"])
+    sc = _ckpt_sc(world, zero)
+    engine = _engine(sc, seed=1 if load else 0, scheduler=True)
+    losses: list[float] = []
+    if load:
+        engine.load_checkpoint(os.path.join(root, load))
+    else:
+        losses += _train(engine, sc, range(CKPT_SAVE_AT))
+        engine.save_checkpoint(os.path.join(root, save))
+    losses += _train(engine, sc, range(CKPT_SAVE_AT, CKPT_STEPS))
+    return {"losses": _mean_over_ranks(engine, losses), "params": S.full_params(engine), "steps": engine.global_steps}
+
+
+def _state_dict_roundtrip(zero: dict[str, Any]) -> float:
+    """What the Trainer's save_model / load of a model folder do (bf16, so the fp32 master is
+    separate): load a perturbed full state dict, gather it back in fp32, largest difference."""
+    import hf_zero
+    from hf_zero.integrations._weights import gather_full_state_dict, load_state_dict_into_engine
+
+    sc = S.scenario("gpt2", 3, dtype="bf16", zero=zero)
+    engine, *_ = hf_zero.initialize(model=S.build_model(sc), config=S.make_config(sc))
+    generator = torch.Generator().manual_seed(5)
+    wanted = {n: p.detach().float() + 1e-3 * torch.randn(p.shape, generator=generator)
+              for n, p in S.build_model(sc).named_parameters()}
+    load_state_dict_into_engine(engine, wanted)
+    back = gather_full_state_dict(engine, dtype=torch.float32, rank0_only=False)
+    return max(float((back[n] - wanted[n]).abs().max()) for n in wanted)
+
+
+def _ckpt_world2(root: str) -> dict[str, Any]:
+    return {
+        "state_dict": {name: _state_dict_roundtrip(zero) for name, zero in
+                       [("plain", {}), ("nvme_both", NVME_BOTH), ("nvme_optimizer", _offload("nvme"))]},
+        "plain": _ckpt_train(root, {"sub_group_size": 1000}, None, "plain"),
+        "nvme": _ckpt_train(root, NVME_BOTH, None, "nvme"),
+        "nvme_to_plain": _ckpt_train(root, {"sub_group_size": 1000}, "nvme", None),
+        "plain_to_nvme": _ckpt_train(root, NVME_BOTH, "plain", None),
+    }
+
+
+def _ckpt_world1(root: str) -> dict[str, Any]:
+    return {
+        "nvme_to_plain": _ckpt_train(root, {"sub_group_size": 1000}, "nvme", None),
+        "plain_to_nvme_params": _ckpt_train(root, NVME_PARAMS_CPU_OPT, "plain", None),
+        "nvme_to_nvme": _ckpt_train(root, NVME_BOTH, "nvme", None),
+    }
+
+
+def _ckpt_phases(root: str, ports: list[int]) -> dict[str, Any]:
+    from tests.distributed.test_checkpoint import _in_group
+
+    os.makedirs(NVME_DIR, exist_ok=True)
+    return {"w2": _in_group(2, ports[0], _ckpt_world2, root), "w1": _in_group(1, ports[1], _ckpt_world1, root)}
+
+
+@pytest.fixture(scope="module")
+def checkpoint_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    from tests.distributed.launch import free_port
+
+    return run_distributed(_ckpt_phases, 2, str(tmp_path_factory.mktemp("nvme_ckpt")), [free_port(), free_port()])
+
+
+def _continues(resumed: dict[str, Any], reference: dict[str, Any]) -> None:
+    assert resumed["steps"] == CKPT_STEPS
+    assert resumed["losses"] == pytest.approx(reference["losses"][CKPT_SAVE_AT:], abs=1e-5)
+    worst = max(max(abs(a - b) for a, b in zip(resumed["params"][n], reference["params"][n])) for n in reference["params"])
+    assert worst <= 1e-5
+
+
+def test_nvme_offloaded_run_matches_the_plain_one_across_its_save(checkpoint_runs):
+    for rank in checkpoint_runs:
+        w2 = rank["w2"]
+        assert w2["nvme"]["losses"] == pytest.approx(w2["plain"]["losses"], abs=1e-5)
+
+
+def test_full_state_dict_save_and_load_with_nvme_offload(checkpoint_runs):
+    """gather_full_state_dict / load_state_dict_into_engine (Trainer save_model, Accelerate
+    get_state_dict) read and write the fp32 master in the NVMe files."""
+    for rank in checkpoint_runs:
+        assert rank["w2"]["state_dict"] == {"plain": 0.0, "nvme_both": 0.0, "nvme_optimizer": 0.0}
+
+
+@pytest.mark.parametrize("world,case", [("w2", "nvme_to_plain"), ("w2", "plain_to_nvme"), ("w1", "nvme_to_plain"),
+                                        ("w1", "plain_to_nvme_params"), ("w1", "nvme_to_nvme")])
+def test_checkpoint_with_nvme_offload_resumes_with_or_without_it(checkpoint_runs, world, case):
+    reference = checkpoint_runs[0]["w2"]["plain"]
+    for rank in checkpoint_runs[: 2 if world == "w2" else 1]:
+        _continues(rank[world][case], reference)

@@ -18,6 +18,7 @@ and the optimizer writes the 16-bit compute copy in the same pass.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -121,6 +122,7 @@ class FlatParamGroup:
         if self.shard_on_host:
             self.shard = to_host(self.shard, offload.pin_memory)
         self.nvme_index: int | None = None  # set when an NVMe store holds this group's state
+        self.nvme_store: Any = None  # that NvmeOptimizerStore (offload_optimizer nvme)
         self._pending_gather: Handle | None = None
         self.master: torch.Tensor | None = None
         self.grad_full: torch.Tensor | None = None
@@ -251,8 +253,29 @@ class FlatParamGroup:
         lo, hi = self.shard_range
         if self.shards_params:
             self.write_compute_shard(self.full[lo:hi])
-        if self.master is not None and self.master.data_ptr() != self.shard.data_ptr():
+        if self.nvme_store is not None:
+            self.nvme_store.store_master(self.nvme_index, self.full[lo:hi])
+        elif self.master is not None and self.master.data_ptr() != self.shard.data_ptr():
             self.master.copy_(self.full[lo:hi])
+
+    @property
+    def master_is_compute_shard(self) -> bool:
+        """fp32 compute without a separate master (see [Note: master aliasing])."""
+        return (self.master is not None and self.nvme_store is None and self.nvme_shard is None
+                and self.master.data_ptr() == self.shard.data_ptr())
+
+    def read_master(self) -> torch.Tensor | None:
+        """The fp32 master shard, read from the optimizer's NVMe files when they hold it."""
+        if self.nvme_store is not None:
+            return self.nvme_store.read(self.nvme_index, "master", 0, self.layout.shard_numel)
+        return self.master
+
+    def write_master(self, values: torch.Tensor) -> None:
+        """Replace the fp32 master shard (in the optimizer's NVMe files when they hold it)."""
+        if self.nvme_store is not None:
+            self.nvme_store.store_master(self.nvme_index, values)
+        elif self.master is not None and self.master.data_ptr() != values.data_ptr():
+            self.master.copy_(values)
 
     def write_compute_shard(self, values: torch.Tensor, start: int = 0) -> None:
         """New values for elements [start, start + values.numel()) of this rank's compute shard

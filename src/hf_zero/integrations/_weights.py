@@ -58,9 +58,9 @@ def save_dtype(engine: ZeroEngine) -> torch.dtype:
 
 def _master_flat(engine: ZeroEngine, group: FlatParamGroup) -> torch.Tensor | None:
     """The group's fp32 master as one full flat tensor, or None when the compute copy is exact."""
-    master = group.master
-    if master is None or master.data_ptr() == group.shard.data_ptr():
+    if group.master is None or group.master_is_compute_shard:
         return None  # frozen, or fp32 compute: the master is the compute copy
+    master = group.read_master()  # from the NVMe files under offload_optimizer nvme
     if group.layout.world_size == 1:
         return master  # stage 0: the master is already full
     full = torch.empty(group.layout.padded_numel, dtype=torch.float32, device=master.device)
@@ -149,9 +149,9 @@ def _load_master_exactly(
 ) -> None:
     """A separate fp32 master (16-bit compute) takes the state dict's values, not the 16-bit
     rounding that ``gathered_parameters`` refreshed it from."""
-    master = group.master
-    if master is None or master.data_ptr() == group.shard.data_ptr():
+    if group.master is None or group.master_is_compute_shard:
         return
+    master = group.read_master()  # a copy under offload_optimizer nvme, written back below
     lo, hi = group.layout.shard_range(group.comm.rank) if group.layout.world_size > 1 else (0, master.numel())
     for slot, param in zip(group.layout.slots, group.params):
         start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
@@ -160,6 +160,7 @@ def _load_master_exactly(
             continue
         flat = source.reshape(-1)[start - slot.offset : end - slot.offset]
         master[start - lo : end - lo].copy_(flat.to(master.device, torch.float32))
+    group.write_master(master)
 
 
 def release_engine(engine: ZeroEngine) -> nn.Module:

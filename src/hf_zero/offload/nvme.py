@@ -15,6 +15,7 @@ before anything is written.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 import shutil
 from typing import Any, Callable, Iterator
@@ -22,6 +23,18 @@ from typing import Any, Callable, Iterator
 import torch
 
 STATES = ("master", "exp_avg", "exp_avg_sq")
+
+
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous host tensor, writable, for ``os.pwrite`` / ``os.preadv``.
+    Not through numpy: ``Tensor.numpy()`` marks the storage non-resizable for good, and the
+    stage-3 flat buffers must stay resizable (see [Note: views into flat buffers])."""
+    if not tensor.is_contiguous() or tensor.device.type != "cpu":
+        raise ValueError("byte_view needs a contiguous host tensor")
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return memoryview(bytearray())
+    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
 def check_nvme_path(path: str | None, needed_bytes: int, what: str = "the optimizer state of this rank") -> None:
@@ -64,14 +77,13 @@ class NvmeOptimizerStore:
         return sum(self.numels) * 4 * len(STATES)
 
     def write(self, index: int, state: str, start: int, values: torch.Tensor) -> None:
-        data = values.detach().to(torch.float32).contiguous().view(torch.uint8).numpy()
-        written = os.pwrite(self._fds[(index, state)], memoryview(data), start * 4)
+        data = values.detach().to("cpu", torch.float32).contiguous()
+        written = os.pwrite(self._fds[(index, state)], byte_view(data), start * 4)
         if written != data.nbytes:
             raise OSError(f"short write to {self.path(index, state)}: {written} of {data.nbytes} bytes (disk full?)")
 
     def read_into(self, index: int, state: str, start: int, out: torch.Tensor) -> torch.Tensor:
-        view = memoryview(out.view(torch.uint8).numpy())
-        read = os.preadv(self._fds[(index, state)], [view], start * 4)
+        read = os.preadv(self._fds[(index, state)], [byte_view(out)], start * 4)
         if read != out.numel() * 4:
             raise OSError(f"short read from {self.path(index, state)}: {read} of {out.numel() * 4} bytes")
         return out

@@ -38,7 +38,7 @@ import torch
 
 from hf_zero.config.errors import ConfigProblem, HfZeroConfigError
 from hf_zero.offload.host import to_host
-from hf_zero.offload.nvme import check_nvme_path
+from hf_zero.offload.nvme import byte_view, check_nvme_path
 
 DTYPE_SUFFIX = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 _UNSAFE = re.compile(r"[^A-Za-z0-9._#-]")
@@ -111,14 +111,14 @@ class NvmeShard:
 
     # ----------------------------------------------------------------- raw file access
     def _pwrite(self, start: int, values: torch.Tensor) -> None:
-        data = values.view(torch.uint8).numpy()
-        written = os.pwrite(self.fd, memoryview(data), start * self.dtype.itemsize)
+        data = byte_view(values)
+        written = os.pwrite(self.fd, data, start * self.dtype.itemsize)
         if written != data.nbytes:
             raise OSError(f"short write to {self.path}: {written} of {data.nbytes} bytes (disk full?)")
 
     def read_into(self, out: torch.Tensor, start: int = 0) -> torch.Tensor:
         """Elements [start, start + out.numel()) of the shard into the host tensor ``out``."""
-        view = memoryview(out.view(torch.uint8).numpy())
+        view = byte_view(out)
         read = os.preadv(self.fd, [view], start * self.dtype.itemsize)
         if read != view.nbytes:
             raise OSError(f"short read from {self.path}: {read} of {view.nbytes} bytes")
