@@ -50,6 +50,10 @@ CASES = {
     "bf16_param_nvme_s3": S.scenario("llama", 3, 1, dtype="bf16", zero=_offload(params="nvme")),
     "ratio_half_s3": S.scenario("gpt2", 3, 1, zero=_offload("cpu", ratio=0.5)),
     "ratio_half_s2": S.scenario("llama", 2, 2, zero=_offload("cpu", ratio=0.5)),
+    # no clipping: the host step overlaps the backward ([Note: overlapped offload step]), and its
+    # worker thread writes the NVMe parameter files / steps the groups kept on the device
+    "param_nvme_overlap_s3": S.scenario("gpt2", 3, 1, clip=0.0, zero=dict(_offload("nvme", "nvme"), reduce_bucket_size=2000)),
+    "ratio_overlap_s3": S.scenario("llama", 3, 2, clip=0.0, zero=dict(_offload("cpu", ratio=0.5), reduce_bucket_size=2000)),
 }
 
 
@@ -84,6 +88,14 @@ def test_offload_trains_exactly_like_no_offload(runs, name):
         assert flat == pytest.approx([loss for step in base["losses"] for loss in step], abs=1e-5)
         worst = max(max(abs(a - b) for a, b in zip(off["params"][n], base["params"][n])) for n in base["params"])
         assert worst <= (1e-5 if CASES[name]["dtype"] == "fp32" else 0.0 + 1e-2)
+
+
+@pytest.mark.parametrize("name", ["param_nvme_overlap_s3", "ratio_overlap_s3"])
+def test_overlapped_step_covers_nvme_params_and_ratio(runs, name):
+    for off in _pair(runs, name)[0]:
+        trainable = sum(g["trainable"] for g in off["layout"])
+        assert off["overlap_per_step"] and all(
+            s["groups"] == trainable and s["started_in_backward"] for s in off["overlap_per_step"])
 
 
 def _shard_bytes(result: dict[str, Any], trainable: bool = True) -> int:

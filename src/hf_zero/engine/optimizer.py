@@ -220,11 +220,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """The step of one group without loss scale or clipping (the overlapped offload step)."""
         hyper = next(h for h in self.param_groups if any(p is group.master for p in h["params"]))
         if self.nvme is not None:
-            self.nvme.step(group.nvme_index, group.grad_shard, group.shard, hyper, grad_scale=1.0, clip_coef=1.0)
+            self.nvme.step(group.nvme_index, group.grad_shard, group.write_compute_shard, hyper, grad_scale=1.0,
+                           clip_coef=1.0)
             return
         self.inner.step_master(group.master, hyper)
         if id(group.master) not in self.inner.compute_copy and group.master.data_ptr() != group.shard.data_ptr():
-            group.shard.copy_(group.master, non_blocking=True)
+            group.write_compute_shard(group.master)
 
     def _finish_overlapped_step(self) -> None:
         """See [Note: overlapped offload step]: wait for the worker, step what it did not get,

@@ -16,9 +16,10 @@ long) in ``<nvme_path>/hf_zero-rank<r>-pid<pid>/params/<group label>.<dtype>``; 
   memory at any time. Each buffer holds the largest file-backed shard; ``buffer_size`` is the
   ceiling (a larger shard is an error at ``initialize``).
 - Update: after the optimizer step the new compute copy (the cast of the fp32 master, or of
-  each NVMe optimizer tile) is written back to the file, through a pool buffer when it must be
-  cast or copied off the device. A file-backed group therefore always has a separate fp32
-  master, even with fp32 compute.
+  each NVMe optimizer tile) is written back to the file, through a transient host copy when it
+  must be cast or copied off the device (not a pool buffer: the overlapped offload step writes
+  from a worker thread, and the pool belongs to the gathers on the main thread). A file-backed
+  group therefore always has a separate fp32 master, even with fp32 compute.
 - The files are removed at a clean exit (or when the store is garbage-collected, or when
   ``initialize`` fails after creating them); a second engine in the same process gets its own
   ``params-<n>`` folder. A missing, read-only or too small ``nvme_path`` is an error before
@@ -126,26 +127,15 @@ class NvmeShard:
 
     # ----------------------------------------------------------------- whole-shard and tiled access
     def write(self, values: torch.Tensor, start: int = 0) -> None:
-        """New values (any dtype, any device) for elements [start, start + values.numel()): cast
-        or copied through a pool buffer unless they already are host values of the file's dtype."""
+        """New values (any dtype, any device) for elements [start, start + values.numel()).
+
+        Values that must be cast or copied off the device go through a transient host copy, not
+        the pool: the overlapped offload step writes from its worker thread while the backward
+        gathers through the pool on the main thread (see [Note: overlapped offload step])."""
         values = values.detach().reshape(-1)
-        if values.device.type == "cpu" and values.dtype == self.dtype and values.is_contiguous():
-            self._pwrite(start, values)
-            return
-        if self.store.pool_or_none is None:  # the first write, at initialize: one shard, once
-            self._pwrite(start, values.to("cpu", self.dtype).contiguous())
-            return
-        pool = self.store.pool
-        index = pool.acquire()
-        try:
-            buffer = pool.view(index, self.dtype, pool.buffers[index].numel() // self.dtype.itemsize)
-            for lo in range(0, values.numel(), buffer.numel()):
-                chunk = values[lo : lo + buffer.numel()]
-                staged = buffer[: chunk.numel()]
-                staged.copy_(chunk)
-                self._pwrite(start + lo, staged)
-        finally:
-            pool.release(index)
+        if values.device.type != "cpu" or values.dtype != self.dtype or not values.is_contiguous():
+            values = values.to("cpu", self.dtype).contiguous()  # at most one shard, transient
+        self._pwrite(start, values)
 
     def read(self) -> torch.Tensor:
         """The whole shard, in a new host tensor."""
@@ -216,10 +206,6 @@ class NvmeParamStore:
     @property
     def buffer_bytes(self) -> int:
         return self._pool.nbytes if self._pool is not None else 0
-
-    @property
-    def pool_or_none(self) -> SwapBufferPool | None:
-        return self._pool
 
     @property
     def pool(self) -> SwapBufferPool:
