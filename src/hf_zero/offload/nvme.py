@@ -37,6 +37,26 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
+def pwrite_all(fd: int, data: memoryview, offset: int, path: str) -> None:
+    """All of ``data`` at byte ``offset`` (Linux moves at most 2 GiB - 4 KiB per call)."""
+    done = 0
+    while done < data.nbytes:
+        written = os.pwrite(fd, data[done:], offset + done)
+        if written <= 0:
+            raise OSError(f"short write to {path}: {done} of {data.nbytes} bytes (disk full?)")
+        done += written
+
+
+def pread_all(fd: int, view: memoryview, offset: int, path: str) -> None:
+    """Fill ``view`` from byte ``offset`` (a file shorter than that is an error)."""
+    done = 0
+    while done < view.nbytes:
+        read = os.preadv(fd, [view[done:]], offset + done)
+        if read <= 0:
+            raise OSError(f"short read from {path}: {done} of {view.nbytes} bytes")
+        done += read
+
+
 def check_nvme_path(path: str | None, needed_bytes: int, what: str = "the optimizer state of this rank") -> None:
     if not path:
         raise ValueError("offload device \"nvme\" needs zero_optimization.offload_*.nvme_path")
@@ -78,14 +98,10 @@ class NvmeOptimizerStore:
 
     def write(self, index: int, state: str, start: int, values: torch.Tensor) -> None:
         data = values.detach().to("cpu", torch.float32).contiguous()
-        written = os.pwrite(self._fds[(index, state)], byte_view(data), start * 4)
-        if written != data.nbytes:
-            raise OSError(f"short write to {self.path(index, state)}: {written} of {data.nbytes} bytes (disk full?)")
+        pwrite_all(self._fds[(index, state)], byte_view(data), start * 4, self.path(index, state))
 
     def read_into(self, index: int, state: str, start: int, out: torch.Tensor) -> torch.Tensor:
-        read = os.preadv(self._fds[(index, state)], [byte_view(out)], start * 4)
-        if read != out.numel() * 4:
-            raise OSError(f"short read from {self.path(index, state)}: {read} of {out.numel() * 4} bytes")
+        pread_all(self._fds[(index, state)], byte_view(out), start * 4, self.path(index, state))
         return out
 
     def store_master(self, index: int, shard: torch.Tensor) -> None:

@@ -39,7 +39,7 @@ import torch
 
 from hf_zero.config.errors import ConfigProblem, HfZeroConfigError
 from hf_zero.offload.host import to_host
-from hf_zero.offload.nvme import byte_view, check_nvme_path
+from hf_zero.offload.nvme import byte_view, check_nvme_path, pread_all, pwrite_all
 
 DTYPE_SUFFIX = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 _UNSAFE = re.compile(r"[^A-Za-z0-9._#-]")
@@ -52,18 +52,17 @@ class SwapBufferPool:
     def __init__(self, count: int, nbytes: int, pin: bool) -> None:
         self.buffers = [to_host(torch.empty(nbytes, dtype=torch.uint8), pin) for _ in range(count)]
         self.free = list(range(count))[::-1]
-        self.holders: OrderedDict[int, Callable[[], None] | None] = OrderedDict()
+        self.holders: OrderedDict[int, Callable[[], None]] = OrderedDict()
 
     @property
     def nbytes(self) -> int:
         return sum(b.numel() for b in self.buffers)
 
-    def acquire(self, reclaim: Callable[[], None] | None = None) -> int:
+    def acquire(self, reclaim: Callable[[], None]) -> int:
+        """A free buffer's index; when none is free, ``reclaim`` of the oldest holder is called
+        first (it waits for that gather, which releases its buffer)."""
         if not self.free and self.holders:
-            oldest = next(iter(self.holders))
-            give_back = self.holders[oldest]
-            if give_back is not None:
-                give_back()  # waits for the oldest gather in flight, which releases its buffer
+            self.holders[next(iter(self.holders))]()
         if not self.free:
             raise RuntimeError(
                 f"all {len(self.buffers)} NVMe parameter swap buffers are in use and none could be "
@@ -112,17 +111,11 @@ class NvmeShard:
 
     # ----------------------------------------------------------------- raw file access
     def _pwrite(self, start: int, values: torch.Tensor) -> None:
-        data = byte_view(values)
-        written = os.pwrite(self.fd, data, start * self.dtype.itemsize)
-        if written != data.nbytes:
-            raise OSError(f"short write to {self.path}: {written} of {data.nbytes} bytes (disk full?)")
+        pwrite_all(self.fd, byte_view(values), start * self.dtype.itemsize, self.path)
 
     def read_into(self, out: torch.Tensor, start: int = 0) -> torch.Tensor:
         """Elements [start, start + out.numel()) of the shard into the host tensor ``out``."""
-        view = byte_view(out)
-        read = os.preadv(self.fd, [view], start * self.dtype.itemsize)
-        if read != view.nbytes:
-            raise OSError(f"short read from {self.path}: {read} of {view.nbytes} bytes")
+        pread_all(self.fd, byte_view(out), start * self.dtype.itemsize, self.path)
         return out
 
     # ----------------------------------------------------------------- whole-shard and tiled access
