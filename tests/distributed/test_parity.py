@@ -24,6 +24,10 @@ PARITY = [S.scenario(m, stage, gas) for m in ("gpt2", "llama") for stage in (0, 
 EXTRA = {
     "frozen_s2": S.scenario("llama", 2, 1, freeze=True),
     "frozen_s3": S.scenario("gpt2", 3, 1, freeze=True),
+    # A frozen input RMSNorm is read by the backward after the layer's last weight gradient
+    # ([Note: releasing a unit in backward]); with checkpointing the recompute reads it too.
+    "frozen_llama_s3": S.scenario("llama", 3, 1, freeze=True, zero={"stage3_max_reuse_distance": 0}),
+    "frozen_llama_ckpt_s3": S.scenario("llama", 3, 2, freeze=True, checkpointing=True),
     "checkpointing_s3": S.scenario("llama", 3, 1, checkpointing=True),
     "checkpointing_s2": S.scenario("gpt2", 2, 2, checkpointing=True),
     "torch_optimizer_s3": S.scenario("llama", 3, 1, optimizer="torch"),

@@ -26,6 +26,18 @@
   ``on_grads_final`` (the offloaded optimizer starts its CPU step there, overlapping the
   backward still running).
 
+[Note: releasing a unit in backward]
+A stage-3 unit's parameters can go once its backward no longer reads them. The last trainable
+gradient says so for the trainable ones, but frozen parameters have no gradient to wait for and
+may still be read after it: a frozen RMSNorm at a decoder layer's input computes the input's
+gradient last, after every weight gradient of the layer has arrived (LoRA's frozen base weights
+likewise). So a unit with frozen gathered parameters also waits for the gradients of its forward
+inputs (``register_multi_grad_hook`` on the inputs that require grad, as FSDP2 does): once they
+are computed, nothing in the unit runs again in this backward. Without such inputs (the first
+unit, or inputs that need no gradient) the frozen parameters are only read on the way to a
+trainable gradient, so the last trainable gradient is enough. Whatever is left is freed at the
+end of the backward.
+
 [Note: reuse distance]
 DeepSpeed's ``stage3_max_reuse_distance``: a unit is kept gathered after its forward when its
 next use, its own backward, comes within that many gathered elements. On the recorded order, the
@@ -113,7 +125,7 @@ class UnitProtocol:
     # ------------------------------------------------------------------ install
     def install(self) -> None:
         for unit in self.units:
-            self.handles.append(unit.module.register_forward_pre_hook(self._hook_pre_forward(unit)))
+            self.handles.append(unit.module.register_forward_pre_hook(self._hook_pre_forward(unit), with_kwargs=True))
             self.handles.append(unit.module.register_forward_hook(self._hook_post_forward(unit)))
             if self.stage >= 2:
                 for param in unit.trainable_params:
@@ -127,10 +139,25 @@ class UnitProtocol:
         self.handles.clear()
 
     def _hook_pre_forward(self, unit: ZeroUnit) -> Callable:
-        def hook(module: torch.nn.Module, args: Any) -> None:
+        def hook(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
             self.pre_forward(unit)
+            if self.stage == 3 and unit.has_frozen_sharded and torch.is_grad_enabled():
+                self._hook_inputs(unit, (args, kwargs))
 
         return hook
+
+    def _hook_inputs(self, unit: ZeroUnit, inputs: Any) -> None:
+        """See [Note: releasing a unit in backward]."""
+        tensors = [t for t in _tensors(inputs) if t.requires_grad]
+        if not tensors:
+            return
+        unit.input_signal = True
+
+        def inputs_done(grads: Any) -> None:
+            unit.inputs_done = True
+            self._maybe_release(unit)
+
+        torch.autograd.graph.register_multi_grad_hook(tensors, inputs_done, mode="all")
 
     def _hook_post_forward(self, unit: ZeroUnit) -> Callable:
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -206,8 +233,7 @@ class UnitProtocol:
         unit.prepare_grads()
 
     def post_backward(self, unit: ZeroUnit) -> None:
-        if self.stage == 3:
-            unit.reshard()  # parameters are no longer needed; the gradients may still be in flight
+        self._maybe_release(unit)  # the parameters; the gradients may still be in flight
         unit.grads_reduced = True
         if self.bucket.add(unit.groups):
             self._timed("reduce", self._flush, self.overlap_comm)
@@ -253,6 +279,11 @@ class UnitProtocol:
                 unit.reshard()
             unit.reset_backward_state()
         self._record_order()
+
+    def _maybe_release(self, unit: ZeroUnit) -> None:
+        """Free a stage-3 unit once its backward is done: [Note: releasing a unit in backward]."""
+        if self.stage == 3 and unit.pending_grads == 0 and (unit.inputs_done or not unit.input_signal):
+            unit.reshard()
 
     def release_all(self) -> None:
         """Free every gathered stage-3 unit (before an optimizer step; see [Note: reuse distance])."""

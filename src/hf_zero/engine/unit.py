@@ -47,6 +47,9 @@ class ZeroUnit:
             for i, (kind, named) in enumerate(sorted(buckets.items(), key=_kind_order))
         ]
         self.trainable_params = [p for g in self.groups if g.kind.trainable for p in g.params]
+        # Frozen gathered parameters get no gradient hook, yet the backward may still read them
+        # after the last trainable gradient: see [Note: releasing a unit in backward].
+        self.has_frozen_sharded = any(g.shards_params and not g.kind.trainable for g in self.groups)
         # Per-backward state, reset by the end-of-backward sweep.
         self.backward_started = False
         self.grads_reduced = False
@@ -93,6 +96,8 @@ class ZeroUnit:
         self.backward_started = False
         self.grads_reduced = False
         self.pending_grads = len(self.trainable_params)
+        self.input_signal = False  # a hook waits for the gradients of this unit's inputs
+        self.inputs_done = False
 
 
 def _kind_order(item: tuple[GroupKind, list]) -> tuple[int, int, int]:
