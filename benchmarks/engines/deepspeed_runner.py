@@ -15,6 +15,16 @@ in backward; a 5e8-element reduce bucket).
 Model states are read from DeepSpeed's own storage: the module's ``p.data`` and ``p.ds_tensor``,
 the base optimizer's state, and every tensor reachable from the ZeRO optimizer's attributes,
 classified by attribute name (see ``_classify``).
+
+Offload (``bench_offload.py``), all optional: ``offload_optimizer`` ("cpu"/"nvme", with
+``nvme_path``) and ``offload_param`` ("cpu") become the config's ``offload_*`` sections,
+``pin_memory`` their ``pin_memory``. With optimizer offload the client optimizer is
+``offload_adam``: "ds_cpu_adam" (the default: ``DeepSpeedCPUAdam(adamw_mode=True)``, the op
+DeepSpeed's offload is built around, JIT-compiled with the C++ compiler on first use) or
+"torch" (the same ``torch.optim.AdamW`` as without offload, which DeepSpeed accepts only with
+``zero_force_ds_cpu_optimizer: false``). On a CPU machine every tensor is in host memory, so
+DeepSpeed's offload is the same bytes moved between ``cpu`` tensors; the tally counts them as
+without offload.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ from typing import Any, Iterator
 import torch
 
 from engines.base import Runner
+from engines.offload import offload_sections
 from engines.probes import StorageTally
 from engines.workload import Workload, build_model
 
@@ -43,7 +54,19 @@ def ds_config(workload: Workload, options: dict[str, Any]) -> dict[str, Any]:
     }
     if workload.dtype == "bf16":
         config["bf16"] = {"enabled": True}
+    zero.update(offload_sections(options))
+    if options.get("offload_optimizer") and options.get("offload_adam") == "torch":
+        config["zero_force_ds_cpu_optimizer"] = False
     return config
+
+
+def client_optimizer(model: torch.nn.Module, workload: Workload, options: dict[str, Any]) -> torch.optim.Optimizer:
+    """torch AdamW, or DeepSpeedCPUAdam when the optimizer is offloaded (see the module note)."""
+    if options.get("offload_optimizer") and options.get("offload_adam", "ds_cpu_adam") == "ds_cpu_adam":
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(model.parameters(), adamw_mode=True, **workload.adamw_kwargs())
+    return torch.optim.AdamW(model.parameters(), **workload.adamw_kwargs())
 
 
 def _classify(attr: str) -> str:
@@ -89,7 +112,9 @@ class DeepSpeedRunner(Runner):
         self.config = ds_config(workload, options)
         deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
         model = build_model(workload)
-        optimizer = torch.optim.AdamW(model.parameters(), **workload.adamw_kwargs())
+        optimizer = client_optimizer(model, workload, options)
+        self.client_optimizer = f"{type(optimizer).__module__}.{type(optimizer).__name__}".replace(
+            "torch.optim.adamw.", "torch.optim.")
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.config)
         self.version = deepspeed.__version__
 
@@ -138,7 +163,8 @@ class DeepSpeedRunner(Runner):
                 effective[shown] = value if isinstance(value, (bool, int, float, str)) or value is None else str(value)
         return {
             "deepspeed": self.version, "config": self.config, "zero_enabled": bool(zero),
-            "zero_effective": effective, "optimizer": f"{type(self.optimizer).__name__} over torch.optim.AdamW",
+            "zero_effective": effective,
+            "optimizer": f"{type(self.optimizer).__name__} over {self.client_optimizer}",
         }
 
 

@@ -7,6 +7,13 @@ stage 3 only). ``persistence_threshold`` sets ``stage3_param_persistence_thresho
 hf_zero's default, DeepSpeed's 1e5). Model-state bytes come from ``engine.memory_report()`` and
 communication from ``engine.comm_stats()``, both counted the way the benchmark counts the peers
 (storages once; logical collective sizes).
+
+Offload (``bench_offload.py``), all optional: ``offload_optimizer`` ("cpu"/"nvme", with
+``nvme_path``) and ``offload_param`` ("cpu", stage 3) become the config's ``offload_*`` sections,
+``pin_memory`` their ``pin_memory``. The model-state tally then keeps only what
+``memory_report`` leaves on the compute device; the host categories and the ``nvme`` file bytes
+go into the tally's detail as ``offload:memory_report.<category>`` (only when offload is on, so
+runs without it report exactly as before).
 """
 
 from __future__ import annotations
@@ -16,11 +23,14 @@ from typing import Any
 import torch
 
 from engines.base import Runner
+from engines.offload import offload_sections
 from engines.probes import StorageTally
 from engines.workload import Workload, build_model
 
 # memory_report category -> the benchmark's model-state category
 _CATEGORY = {"compute_params": "params", "fp32_master": "master", "gradients": "grads", "optimizer_state": "optim"}
+# memory_report's offloaded categories (host memory, then bytes in NVMe files)
+OFFLOAD_CATEGORIES = ("host_params", "host_gradients", "host_fp32_master", "host_optimizer_state", "nvme")
 
 
 def zero_config(workload: Workload, options: dict[str, Any]) -> dict[str, Any]:
@@ -30,6 +40,7 @@ def zero_config(workload: Workload, options: dict[str, Any]) -> dict[str, Any]:
         zero["overlap_comm"] = overlap == "on"
     if options.get("persistence_threshold") is not None:
         zero["stage3_param_persistence_threshold"] = int(options["persistence_threshold"])
+    zero.update(offload_sections(options))
     return {
         "train_micro_batch_size_per_gpu": workload.micro_batch,
         "gradient_accumulation_steps": 1,
@@ -51,6 +62,7 @@ class HfZeroRunner(Runner):
 
         self.name = f"hf_zero{options['stage']}"
         self.config = zero_config(workload, options)
+        self.offloaded = bool(offload_sections(options))
         model = build_model(workload)
         self.engine, _, _, _ = hf_zero.initialize(model=model, config=self.config)
 
@@ -69,6 +81,9 @@ class HfZeroRunner(Runner):
             tally.bytes[category] += int(report.get(source, 0))
             tally.detail[f"{category}:memory_report.{source}"] += int(report.get(source, 0))
         tally.detail["buffers:memory_report.buffers"] += int(report.get("buffers", 0))
+        if self.offloaded:
+            for source in OFFLOAD_CATEGORIES:
+                tally.detail[f"offload:memory_report.{source}"] += int(report.get(source, 0))
         return tally
 
     def engine_comm_stats(self) -> dict[str, dict[str, int]]:
@@ -89,6 +104,7 @@ class HfZeroRunner(Runner):
                 "stage3_prefetch_bucket_size": int(zero.stage3_prefetch_bucket_size),
                 "stage3_max_live_parameters": int(zero.stage3_max_live_parameters),
                 "reduce_bucket_size": int(zero.reduce_bucket_size),
+                **({"sub_group_size": int(zero.sub_group_size)} if self.offloaded else {}),
             },
             "optimizer": "hf_zero ZeroAdam (config optimizer AdamW)",
         }
