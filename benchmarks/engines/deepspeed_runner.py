@@ -16,11 +16,11 @@ Model states are read from DeepSpeed's own storage: the module's ``p.data`` and 
 the base optimizer's state, and every tensor reachable from the ZeRO optimizer's attributes,
 classified by attribute name (see ``_classify``).
 
-Offload (``bench_offload.py``), all optional: ``offload_optimizer`` ("cpu"/"nvme", with
-``nvme_path``) and ``offload_param`` ("cpu") become the config's ``offload_*`` sections,
-``pin_memory`` their ``pin_memory``. With optimizer offload the client optimizer is
-``offload_adam``: "ds_cpu_adam" (the default: ``DeepSpeedCPUAdam(adamw_mode=True)``, the op
-DeepSpeed's offload is built around, JIT-compiled with the C++ compiler on first use) or
+Offload (``bench_offload.py``), all optional: ``offload_optimizer`` ("cpu"/"nvme"),
+``offload_param`` ("cpu"/"nvme"), ``nvme_path``, ``pin_memory`` and ``max_in_cpu`` become the
+config's ``offload_*`` sections (see ``engines/offload.py``). With optimizer offload the client
+optimizer is ``offload_adam``: "ds_cpu_adam" (the default: ``DeepSpeedCPUAdam(adamw_mode=True)``,
+the op DeepSpeed's offload is built around, JIT-compiled with the C++ compiler on first use) or
 "torch" (the same ``torch.optim.AdamW`` as without offload, which DeepSpeed accepts only with
 ``zero_force_ds_cpu_optimizer: false``). On a CPU machine every tensor is in host memory, so
 DeepSpeed's offload is the same bytes moved between ``cpu`` tensors; the tally counts them as
@@ -43,6 +43,7 @@ def ds_config(workload: Workload, options: dict[str, Any]) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": int(options["stage"])}
     if options.get("persistence_threshold") is not None:
         zero["stage3_param_persistence_threshold"] = int(options["persistence_threshold"])
+    zero.update(options.get("zero_extra", {}))  # bench_engines --zero KEY=VALUE, both engines alike
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": workload.micro_batch,
         "gradient_accumulation_steps": 1,

@@ -8,12 +8,12 @@ hf_zero's default, DeepSpeed's 1e5). Model-state bytes come from ``engine.memory
 communication from ``engine.comm_stats()``, both counted the way the benchmark counts the peers
 (storages once; logical collective sizes).
 
-Offload (``bench_offload.py``), all optional: ``offload_optimizer`` ("cpu"/"nvme", with
-``nvme_path``) and ``offload_param`` ("cpu", stage 3) become the config's ``offload_*`` sections,
-``pin_memory`` their ``pin_memory``. The model-state tally then keeps only what
-``memory_report`` leaves on the compute device; the host categories and the ``nvme`` file bytes
-go into the tally's detail as ``offload:memory_report.<category>`` (only when offload is on, so
-runs without it report exactly as before).
+Offload (``bench_offload.py``), all optional: ``offload_optimizer`` ("cpu"/"nvme"),
+``offload_param`` ("cpu"/"nvme", stage 3), ``nvme_path``, ``pin_memory`` and ``max_in_cpu``
+become the config's ``offload_*`` sections (see ``engines/offload.py``). The model-state tally
+then keeps only what ``memory_report`` leaves on the compute device; the host categories and the
+``nvme`` file bytes go into the tally's detail as ``offload:memory_report.<category>`` (only when
+offload is on, so runs without it report exactly as before).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ def zero_config(workload: Workload, options: dict[str, Any]) -> dict[str, Any]:
         zero["overlap_comm"] = overlap == "on"
     if options.get("persistence_threshold") is not None:
         zero["stage3_param_persistence_threshold"] = int(options["persistence_threshold"])
+    zero.update(options.get("zero_extra", {}))  # bench_engines --zero KEY=VALUE, both engines alike
     zero.update(offload_sections(options))
     return {
         "train_micro_batch_size_per_gpu": workload.micro_batch,
