@@ -1,7 +1,10 @@
 """Adam step throughput: hf_zero's fused_adam_ vs torch.optim.AdamW(fused=True) vs (foreach=True).
 
 All contenders step the same flat fp32 shard (one parameter of N elements with an fp32 grad), in
-the same run, each with its own moments, taking turns step by step (see _harness.measure). An
+the same run, taking turns step by step (see _harness.measure). The moments come from a pool of
+one set per contender, and each contender moves to the next set at every step: where a set's
+pages happen to sit (huge pages, cache colouring) varies by 10-20% on a CPU VM, and rotating
+gives every contender the same mix instead of one fixed placement each. An
 Adam step must read p, g, m, v and write p, m, v: 28 bytes per parameter, the bound GB/s is
 counted against (30 with the bf16 compute copy that the engine also writes). On a GPU the table
 adds the fraction of peak HBM bandwidth; on a CPU it measures the CPU path (torch's fused CPU
@@ -46,12 +49,29 @@ class Contender:
     step: Callable[[], None]
 
 
-def hf_zero_contender(master: torch.Tensor, grad: torch.Tensor, out: torch.Tensor | None) -> Contender:
-    exp_avg, exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
+class MomentPool:
+    """Moment sets (exp_avg, exp_avg_sq) that the contenders take in turn (see the docstring)."""
+
+    def __init__(self, like: torch.Tensor, sets: int) -> None:
+        self.sets = [(torch.zeros_like(like), torch.zeros_like(like)) for _ in range(sets)]
+
+    def rotation(self, offset: int) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+        calls = [offset]
+
+        def next_set() -> tuple[torch.Tensor, torch.Tensor]:
+            calls[0] += 1
+            return self.sets[calls[0] % len(self.sets)]
+
+        return next_set
+
+
+def hf_zero_contender(master: torch.Tensor, grad: torch.Tensor, out: torch.Tensor | None,
+                      moments: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> Contender:
     count = [0]
 
     def step() -> None:
         count[0] += 1  # a python int, as the engine passes it
+        exp_avg, exp_avg_sq = moments()
         kernels.fused_adam_(master, grad, exp_avg, exp_avg_sq, step=count[0], adamw=True, out=out, **HPARAMS)
 
     name = "hf_zero fused_adam_" + (f" + {str(out.dtype).removeprefix('torch.')} out" if out is not None else "")
@@ -59,10 +79,18 @@ def hf_zero_contender(master: torch.Tensor, grad: torch.Tensor, out: torch.Tenso
     return Contender(name, kernels.backend_for(master), BYTES_PER_PARAM + extra, step)
 
 
-def torch_contender(param: torch.nn.Parameter, flavour: str) -> Contender:
+def torch_contender(param: torch.nn.Parameter, flavour: str,
+                    moments: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> Contender:
     optimizer = torch.optim.AdamW([param], lr=HPARAMS["lr"], betas=(HPARAMS["beta1"], HPARAMS["beta2"]),
                                   eps=HPARAMS["eps"], weight_decay=HPARAMS["weight_decay"], **{flavour: True})
-    return Contender(f"torch AdamW({flavour}=True)", f"torch-{flavour}", BYTES_PER_PARAM, optimizer.step)
+    state = optimizer.state[param]
+    state["step"] = torch.tensor(0.0, device=param.device if flavour == "fused" else "cpu")
+
+    def step() -> None:
+        state["exp_avg"], state["exp_avg_sq"] = moments()  # the state torch.optim reads and updates
+        optimizer.step()
+
+    return Contender(f"torch AdamW({flavour}=True)", f"torch-{flavour}", BYTES_PER_PARAM, step)
 
 
 def contenders(numel: int, device: torch.device) -> list[Contender]:
@@ -71,11 +99,12 @@ def contenders(numel: int, device: torch.device) -> list[Contender]:
     param = torch.nn.Parameter(master)  # shares master's storage: the same shard for everyone
     param.grad = grad
     out = torch.empty(numel, device=device, dtype=torch.bfloat16)
+    pool = MomentPool(master, sets=4)
     return [
-        torch_contender(param, "fused"),
-        hf_zero_contender(master, grad, None),
-        hf_zero_contender(master, grad, out),
-        torch_contender(param, "foreach"),
+        torch_contender(param, "fused", pool.rotation(0)),
+        hf_zero_contender(master, grad, None, pool.rotation(1)),
+        hf_zero_contender(master, grad, out, pool.rotation(2)),
+        torch_contender(param, "foreach", pool.rotation(3)),
     ]
 
 
