@@ -25,6 +25,8 @@
 - At the accumulation boundary, each group whose fp32 gradient shard is final is announced to
   ``on_grads_final`` (the offloaded optimizer starts its CPU step there, overlapping the
   backward still running).
+- With ``wall_clock_breakdown``, each gather (with its wait and the prefetches it starts) runs
+  under the ``gather`` timer and each reduction under ``reduce`` (hf_zero.engine.timers).
 
 [Note: releasing a unit in backward]
 A stage-3 unit's parameters can go once its backward no longer reads them. The last trainable
@@ -48,8 +50,6 @@ only kept while the gathered elements stay within ``stage3_max_live_parameters``
 before the order is recorded (the first step), without autograd (evaluation), or with a distance
 of 0. Whatever is still gathered is freed at the end of backward, and before every optimizer
 step (an update makes a gathered copy stale).
-- With ``wall_clock_breakdown``, each gather (with its wait and the prefetches it starts) runs
-  under the ``gather`` timer and each reduction under ``reduce`` (hf_zero.engine.timers).
 """
 
 from __future__ import annotations

@@ -158,8 +158,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if not shards:
             return 0.0, False
         found, sqnorm = nonfinite_and_sqnorm(shards)
-        # One all-reduce for both: the count of non-finite ranks travels with the squared norm.
-        packed = torch.stack([sqnorm.float(), found.float()])
+        return self._all_ranks_norm(torch.stack([sqnorm.float(), found.float()]))
+
+    def _all_ranks_norm(self, packed: torch.Tensor) -> tuple[float, bool]:
+        """This rank's [squared norm, non-finite flag] summed over ranks: one all-reduce for both."""
         if self.stage != 0:  # stage 0 grads are already identical on every rank
             self.comm.all_reduce_(packed, label="grad_norm")
         return float(packed[0]), bool(packed[1] > 0)
@@ -210,22 +212,29 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 for shard in self._grad_shards():
                     shard.mul_(factor)
             self.inner.step()
-        written = getattr(self.inner, "compute_copy", {})
         for group in self.groups:
-            master = group.master
-            if master is not None and id(master) not in written and master.data_ptr() != group.shard.data_ptr():
-                group.write_compute_shard(master)
+            self._refresh_compute_copy(group)
+
+    def _refresh_compute_copy(self, group: FlatParamGroup) -> None:
+        """Write the updated master into the compute shard, unless the kernel already did (its
+        ``out``) or the master is the compute shard."""
+        master = group.master
+        written = getattr(self.inner, "compute_copy", {})
+        if master is not None and id(master) not in written and master.data_ptr() != group.shard.data_ptr():
+            group.write_compute_shard(master)
+
+    def _hyper_of(self, group: FlatParamGroup) -> dict[str, Any]:
+        """The param group (hyperparameters) ``group``'s master steps in."""
+        return next(h for h in self.param_groups if any(p is group.master for p in h["params"]))
 
     def step_group_unscaled(self, group: FlatParamGroup) -> None:
         """The step of one group without loss scale or clipping (the overlapped offload step)."""
-        hyper = next(h for h in self.param_groups if any(p is group.master for p in h["params"]))
         if self.nvme is not None:
-            self.nvme.step(group.nvme_index, group.grad_shard, group.write_compute_shard, hyper, grad_scale=1.0,
-                           clip_coef=1.0)
+            self.nvme.step(group.nvme_index, group.grad_shard, group.write_compute_shard, self._hyper_of(group),
+                           grad_scale=1.0, clip_coef=1.0)
             return
-        self.inner.step_master(group.master, hyper)
-        if id(group.master) not in self.inner.compute_copy and group.master.data_ptr() != group.shard.data_ptr():
-            group.write_compute_shard(group.master)
+        self.inner.step_master(group.master, self._hyper_of(group))
+        self._refresh_compute_copy(group)
 
     def _finish_overlapped_step(self) -> None:
         """See [Note: overlapped offload step]: wait for the worker, step what it did not get,
@@ -236,11 +245,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 results[id(group)] = self.overlapped.step_group(group)
         sqnorm = sum(sq for sq, _ in results.values())
         nonfinite = any(found for _, found in results.values())
-        packed = torch.tensor([sqnorm, float(nonfinite)], dtype=torch.float32)
-        if self.stage != 0:
-            self.comm.all_reduce_(packed, label="grad_norm")
-        self.overflow = bool(packed[1] > 0)
-        self.global_grad_norm = math.inf if self.overflow else math.sqrt(float(packed[0]))
+        sqnorm, self.overflow = self._all_ranks_norm(torch.tensor([sqnorm, float(nonfinite)], dtype=torch.float32))
+        self.global_grad_norm = math.inf if self.overflow else math.sqrt(sqnorm)
         if self.overflow:
             self.zero_grad()
             _raise_nonfinite()
@@ -248,11 +254,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.zero_grad()
 
     def _nvme_step(self, scale: float, clip_coef: float) -> None:
-        group_of = {id(p): hyper for hyper in self.param_groups for p in hyper["params"]}
         for group in self.groups:
             if group.grad_shard is None or group.nvme_index is None:
                 continue
-            self.nvme.step(group.nvme_index, group.grad_shard, group.write_compute_shard, group_of[id(group.master)],
+            self.nvme.step(group.nvme_index, group.grad_shard, group.write_compute_shard, self._hyper_of(group),
                            grad_scale=scale, clip_coef=clip_coef)
 
 
