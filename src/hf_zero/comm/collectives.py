@@ -89,7 +89,7 @@ class Communicator:
             return _DoneHandle()
         self.stats.add("all_gather", output)
         with record_function(f"hf_zero::all_gather::{label}"):
-            work = dist.all_gather_single(output, shard, group=self.group, async_op=async_op)
+            work = dist.all_gather_into_tensor(output, shard, group=self.group, async_op=async_op)
         return work if async_op else _DoneHandle()
 
     def reduce_scatter_into(
@@ -101,7 +101,7 @@ class Communicator:
             return _DoneHandle()
         self.stats.add("reduce_scatter", full)
         with record_function(f"hf_zero::reduce_scatter::{label}"):
-            work = dist.reduce_scatter_single(shard, full, group=self.group, async_op=async_op)
+            work = dist.reduce_scatter_tensor(shard, full, group=self.group, async_op=async_op)
         return work if async_op else _DoneHandle()
 
     def all_reduce_(
