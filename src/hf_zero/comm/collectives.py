@@ -14,6 +14,7 @@ World size 1 runs the same code with the collectives skipped and nothing counted
 
 from __future__ import annotations
 
+import atexit
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -22,9 +23,19 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
+from hf_zero.transfer import assert_not_host
+
+
+# The single-tensor collectives under the names of the installed torch: ``*_single`` from torch
+# 2.13 on (where the older names warn that they are deprecated), the older names before.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class Handle(Protocol):
     def wait(self) -> object: ...
+
+    def is_completed(self) -> bool: ...
 
 
 class _DoneHandle:
@@ -32,6 +43,33 @@ class _DoneHandle:
 
     def wait(self) -> None:
         return None
+
+    def is_completed(self) -> bool:
+        return True
+
+
+# [Note: two process groups]
+# Gradient reductions go out on a group of their own, parameter gathers and everything else on
+# the caller's group. Collectives on one group must be issued in the same order on every rank;
+# when ranks take different paths through the model, the moment a rank's gradients are ready
+# differs between ranks while its gathers follow the shared schedule (hooks.py), so with one
+# group a reduction could pair with a gather. With two, each sequence is rank-invariant on its
+# own. One gradient group is made per process group and reused by every engine. Only this
+# table holds it, and an exit hook empties it: a gloo group still alive when the interpreter
+# finalizes can abort the process ("terminate called without an active exception").
+_GRAD_GROUPS: dict[object, dist.ProcessGroup] = {}
+atexit.register(_GRAD_GROUPS.clear)
+
+
+def _grad_group_key(group: dist.ProcessGroup | None) -> object:
+    return group if group is not None else dist.group.WORLD  # a new object after re-initializing
+
+
+def _make_grad_group(group: dist.ProcessGroup | None) -> None:
+    key = _grad_group_key(group)
+    if key not in _GRAD_GROUPS:
+        ranks = dist.get_process_group_ranks(group) if group is not None else None
+        _GRAD_GROUPS[key] = dist.new_group(ranks=ranks)
 
 
 @dataclass
@@ -68,12 +106,25 @@ class Communicator:
         self.group = group
         self.rank = dist.get_rank(group) if self.initialized else 0
         self.world_size = dist.get_world_size(group) if self.initialized else 1
+        if self.world_size > 1:  # see [Note: two process groups]
+            _make_grad_group(group)
         self.stats = CommStats()
+
+    @property
+    def grad_group(self) -> dist.ProcessGroup | None:
+        return _GRAD_GROUPS.get(_grad_group_key(self.group)) if self.world_size > 1 else None
 
     @property
     def active(self) -> bool:
         """False when collectives are skipped (world size 1)."""
         return self.world_size > 1
+
+    @staticmethod
+    def _check(label: str, *tensors: torch.Tensor) -> None:
+        """Collectives take compute-device tensors, never host-store memory (checked at world
+        size 1 too, so single-process tests see the mistake): [Note: host-device transfers]."""
+        for tensor in tensors:
+            assert_not_host(tensor, f"collective {label!r}")
 
     def reset_stats(self) -> None:
         self.stats = CommStats()
@@ -83,37 +134,44 @@ class Communicator:
     ) -> Handle:
         """``output`` (world_size x shard numel) receives every rank's ``shard``, rank-major.
         ``shard`` may be this rank's slice of ``output`` (in place)."""
+        self._check(label, output, shard)
         if not self.active:
             if output.data_ptr() != shard.data_ptr():
                 output.copy_(shard)
             return _DoneHandle()
         self.stats.add("all_gather", output)
         with record_function(f"hf_zero::all_gather::{label}"):
-            work = dist.all_gather_into_tensor(output, shard, group=self.group, async_op=async_op)
+            work = _ALL_GATHER(output, shard, group=self.group, async_op=async_op)
         return work if async_op else _DoneHandle()
 
     def reduce_scatter_into(
         self, shard: torch.Tensor, full: torch.Tensor, label: str, async_op: bool = False
     ) -> Handle:
         """``shard`` receives this rank's chunk of the element-wise sum of every rank's ``full``."""
+        self._check(label, shard, full)
         if not self.active:
             shard.copy_(full)
             return _DoneHandle()
         self.stats.add("reduce_scatter", full)
         with record_function(f"hf_zero::reduce_scatter::{label}"):
-            work = dist.reduce_scatter_tensor(shard, full, group=self.group, async_op=async_op)
+            work = _REDUCE_SCATTER(shard, full, group=self.grad_group, async_op=async_op)
         return work if async_op else _DoneHandle()
 
     def all_reduce_(
-        self, tensor: torch.Tensor, label: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+        self, tensor: torch.Tensor, label: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+        grads: bool = False,
     ) -> torch.Tensor:
+        """In place. ``grads``: a gradient reduction, on the gradient group ([Note: two process
+        groups])."""
+        self._check(label, tensor)
         if self.active:
             self.stats.add("all_reduce", tensor)
             with record_function(f"hf_zero::all_reduce::{label}"):
-                dist.all_reduce(tensor, op=op, group=self.group)
+                dist.all_reduce(tensor, op=op, group=self.grad_group if grads else self.group)
         return tensor
 
     def broadcast_(self, tensor: torch.Tensor, src: int, label: str) -> torch.Tensor:
+        self._check(label, tensor)
         if self.active:
             self.stats.add("broadcast", tensor)
             with record_function(f"hf_zero::broadcast::{label}"):

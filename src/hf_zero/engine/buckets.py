@@ -6,8 +6,8 @@ collective per flat group. Many units are small (norms, biases, a model's persis
 a collective has a fixed cost, so groups are bucketed the way DeepSpeed's ``reduce_bucket_size``
 and ``allgather_bucket_size`` buckets work:
 
-- Gradients: finished groups join the open bucket in the order their backward ends (the same on
-  every rank); once the bucket holds at least ``reduce_bucket_size`` elements it is packed
+- Gradients: groups are bucketed in a fixed order (see [Note: buckets in a fixed order]); a
+  bucket holds at least ``reduce_bucket_size`` elements (but the last); it is packed
   rank-major with ``kernels.pack_for_reduce_scatter`` (pre-divided by the world size and cast to
   the reduce dtype in the same pass) and reduce-scattered once; rank r receives its shard of every
   group back to back. The full gradients are freed as soon as they are packed, so a bucket in
@@ -29,6 +29,7 @@ import torch
 
 from hf_zero.comm import Communicator, Handle
 from hf_zero.engine.flat_group import FlatParamGroup, PendingReduce
+from hf_zero.engine.unit import GradState, ZeroUnit
 from hf_zero.kernels import pack_for_reduce_scatter, unpack_after_all_gather
 
 
@@ -43,6 +44,12 @@ class PendingBucket:
     handle: Handle | None = None
     received: torch.Tensor | None = None
     send: torch.Tensor | None = None  # the collective's input, alive until it completes
+
+    def is_completed(self) -> bool:
+        """Whether waiting would return at once."""
+        if self.per_group is not None:
+            return all(p.handle is None or p.handle.is_completed() for _, p in self.per_group)
+        return self.handle is None or self.handle.is_completed()
 
 
 def _bucket_label(groups: list[FlatParamGroup]) -> str:
@@ -94,25 +101,44 @@ def finish_bucket(pending: PendingBucket) -> None:
         offset += numel
 
 
-class GradBucket:
-    """The open gradient bucket: groups whose gradients are final for this backward."""
+class ReduceSchedule:
+    """The gradient buckets of a backward, formed once from the fixed unit order.
 
-    def __init__(self, bucket_numel: int) -> None:
-        self.bucket_numel = bucket_numel
-        self.groups: list[FlatParamGroup] = []
-        self.numel = 0
+    [Note: buckets in a fixed order]
+    Buckets are cut from the trainable groups in the shared backward order (the units in reverse
+    model order, the root last; see [Note: the shared schedule] in hooks.py), each closed once it
+    holds ``reduce_bucket_size`` elements, so every rank has the same buckets. They go out in
+    that order: bucket i is reduced once all its groups are READY on this rank and bucket i-1 has
+    gone, as DDP's reducer does. A group this rank did not use is READY with zeros once the
+    schedule has passed its unit, and at the latest at the end of the backward; so whatever path
+    each rank took, the k-th reduce-scatter of every rank carries the same groups.
+    """
 
-    def add(self, groups: list[FlatParamGroup]) -> bool:
-        """Add the groups that have gradients; True when the bucket is full and should go."""
-        for group in groups:
-            if group.grad_full is not None:
-                self.groups.append(group)
-                self.numel += group.layout.padded_numel
-        return bool(self.groups) and self.numel >= self.bucket_numel
+    def __init__(self, groups_in_order: list[tuple[ZeroUnit, FlatParamGroup]], bucket_numel: int) -> None:
+        self.buckets: list[list[tuple[ZeroUnit, FlatParamGroup]]] = []
+        for group_bucket in split_buckets([g for _, g in groups_in_order], bucket_numel):
+            owners = {id(g): u for u, g in groups_in_order}
+            self.buckets.append([(owners[id(g)], g) for g in group_bucket])
+        self.next = 0  # the first bucket not yet reduced in this backward
 
-    def take(self) -> list[FlatParamGroup]:
-        groups, self.groups, self.numel = self.groups, [], 0
-        return groups
+    def reset(self) -> None:
+        self.next = 0
+
+    def ready_buckets(self) -> Iterator[list[FlatParamGroup]]:
+        """Take, in order, every bucket whose units are all past ACCUMULATING (READY, or already
+        reducing another of their groups) and all before it gone."""
+        while self.next < len(self.buckets):
+            bucket = self.buckets[self.next]
+            if any(unit.grad_state in (GradState.IDLE, GradState.ACCUMULATING) for unit, _ in bucket):
+                return
+            self.next += 1
+            yield [g for _, g in bucket]
+
+    def remaining(self) -> Iterator[list[FlatParamGroup]]:
+        """Every bucket not yet taken, in order (the end of the backward)."""
+        while self.next < len(self.buckets):
+            self.next += 1
+            yield [g for _, g in self.buckets[self.next - 1]]
 
 
 def split_buckets(groups: list[FlatParamGroup], bucket_numel: int) -> Iterator[list[FlatParamGroup]]:

@@ -25,7 +25,8 @@ from torch import nn
 
 from hf_zero.comm import Communicator, Handle
 from hf_zero.engine.param_source import ParamSource
-from hf_zero.offload import NvmeShard, OffloadSettings, to_host
+from hf_zero.offload import NvmeShard, OffloadSettings
+from hf_zero.transfer import copy_to_host_, to_compute, to_host
 from hf_zero.partition import FlatLayout, build_flat_layout
 
 
@@ -88,6 +89,7 @@ class FlatParamGroup:
         offload: OffloadSettings = OffloadSettings(),
     ) -> None:
         self.label = label
+        self.owner: Any = None  # the ZeroUnit this group belongs to (set by the unit)
         self.offload = offload
         self.kind = kind
         self.comm = comm
@@ -119,16 +121,20 @@ class FlatParamGroup:
         if offload.params == "nvme" and self.shards_params:
             self.nvme_shard = offload.param_store.register(label, self.shard)
         self.shard_on_host = offload.params_on_host and self.shards_params
-        if self.shard_on_host:
-            self.shard = to_host(self.shard, offload.pin_memory)
         self.nvme_index: int | None = None  # set when an NVMe store holds this group's state
         self.nvme_store: Any = None  # that NvmeOptimizerStore (offload_optimizer nvme)
         self._pending_gather: Handle | None = None
         self.master: torch.Tensor | None = None
         self.grad_full: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
+        # Whether any parameter of this group got a gradient on this rank since the last
+        # optimizer step: a group no rank used is not stepped (see ZeroOptimizer.step).
+        self.grad_received = False
+        self.used_in_step = True  # set by the optimizer step: some rank used this group
         if kind.trainable:
             self._init_master_and_grads(compute_dtype, device)
+        if self.shard_on_host:  # after the master, which stays on the device unless offloaded
+            self.shard = to_host(self.shard, offload.pin_memory)
         if self.nvme_shard is not None:  # after the master is made from it
             self.nvme_shard.write(self.shard)
             self.shard = self.nvme_shard.placeholder()
@@ -179,7 +185,8 @@ class FlatParamGroup:
             self.master = torch.zeros(0, dtype=torch.float32)
         elif self.offload.optimizer == "cpu":
             self.master = to_host(self.shard.to(torch.float32, copy=True), self.offload.pin_memory)
-        elif self.nvme_shard is not None:  # the compute shard goes to a file; the master stays
+        elif self.nvme_shard is not None or self.shard_on_host:
+            # offload_param alone: the compute shard leaves the device, the master stays on it.
             self.master = self.shard.to(torch.float32, copy=True)
         else:
             self.master = self.shard if compute_dtype == torch.float32 else self.shard.float()
@@ -198,7 +205,7 @@ class FlatParamGroup:
                 raise RuntimeError(f"{self.label} is frozen: it has no fp32 master to give a gradient shard")
             host = self.offload.optimizer_on_host
             self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=torch.float32,
-                                          device="cpu" if host else self.shard.device)
+                                          device="cpu" if host else self.full.device)
             if host:
                 self.grad_shard = to_host(self.grad_shard, self.offload.pin_memory)
             if self.master.numel() == self.grad_shard.numel():
@@ -220,7 +227,7 @@ class FlatParamGroup:
         if self.nvme_shard is not None:
             shard = self.nvme_shard.swap_in(self.full.device, reclaim=self.wait_unshard)
         else:
-            shard = self.shard.to(self.full.device, non_blocking=True) if self.shard_on_host else self.shard
+            shard = to_compute(self.shard, self.full.device) if self.shard_on_host else self.shard
         self._pending_gather = self.comm.all_gather_into(
             self.full, shard, label=self.label, async_op=async_op
         )
@@ -283,8 +290,10 @@ class FlatParamGroup:
         NVMe parameter offload."""
         if self.nvme_shard is not None:
             self.nvme_shard.write(values, start)
+        elif self.shard_on_host:
+            copy_to_host_(self.shard[start : start + values.numel()], values.reshape(-1))
         else:
-            self.shard[start : start + values.numel()].copy_(values.reshape(-1), non_blocking=True)
+            self.shard[start : start + values.numel()].copy_(values.reshape(-1))
 
     def read_compute_shard(self) -> torch.Tensor:
         """This rank's compute shard (read from its file, into a new tensor, under NVMe parameter
@@ -329,7 +338,7 @@ class FlatParamGroup:
         if world > 1:
             send.div_(world)  # gloo has no AVG: pre-divide, then sum
         if self.stage == 0:
-            self.comm.all_reduce_(send, label=self.label)
+            self.comm.all_reduce_(send, label=self.label, grads=True)
             return PendingReduce(None, send, send)
         received = torch.empty(self.layout.shard_numel, dtype=reduce_dtype, device=send.device)
         handle = self.comm.reduce_scatter_into(received, send, label=self.label, async_op=async_op)
@@ -347,7 +356,11 @@ class FlatParamGroup:
         """Add this rank's reduced part of the gradients (any dtype, any device) into the fp32
         gradient shard: micro-steps of an accumulation add up there."""
         shard = self._ensure_grad_shard()
-        shard.add_(reduced.to(shard.device, non_blocking=True))
+        if shard.device != reduced.device:  # into a host gradient shard: the copy must land first
+            landed = torch.empty(reduced.shape, dtype=reduced.dtype, device=shard.device)
+            copy_to_host_(landed, reduced)
+            reduced = landed
+        shard.add_(reduced)
 
     def release_grads(self) -> None:
         if self.grad_full is None:
@@ -357,6 +370,7 @@ class FlatParamGroup:
         free_storage(self.grad_full)
 
     def zero_grad_shard(self) -> None:
+        self.grad_received = False
         if self.grad_shard is not None:
             self.grad_shard.zero_()
         if self.stage == 0 and self.grad_full is not None:

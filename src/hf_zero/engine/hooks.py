@@ -1,55 +1,69 @@
 """The forward/backward protocol: when each unit is gathered, freed and reduced.
 
+[Note: the shared schedule]
+Every collective hf_zero issues inside a forward or backward follows an order that depends on
+the model and the step only, never on the path a rank took through the model, so ranks that skip
+a layer, run a side tower only on some batches, or route no token to an expert neither hang nor
+pair one unit's collective with another's:
+
+- The *forward order* is the model's unit order (``plan_units``: the order in which the unit
+  modules are registered), the root first; the *backward order* is its reverse, the root last.
+- Forward (stage 3): a cursor walks the forward order. When unit k's forward starts, the units
+  between the cursor and k that this rank skipped are *caught up* first: gathered (with the same
+  prefetches) and released exactly as if they had run, then k is gathered; at the end of the
+  root's forward the units after the last one run are caught up. Every rank therefore issues
+  the same gathers in the same order, and every decision that depends on what is gathered (the
+  prefetch budget, ``stage3_max_live_parameters``, the reuse distance) sees the same state.
+- Backward: a second cursor walks the backward order. When a unit's output gets its first
+  gradient, the units between the cursor and it that this rank has no backward for are caught
+  up: under stage 3 gathered and released; at every stage their gradients are declared READY
+  with zeros. What is left is caught up at the end of the backward.
+- Gradients go out in buckets cut once from the backward order ([Note: buckets in a fixed
+  order] in buckets.py), on a process group of their own ([Note: two process groups] in
+  hf_zero.comm), so a reduction that one rank issues early cannot pair with another rank's
+  gather. Under stage 3 a reduction is never waited for inside the backward (that rank's peers
+  may first need it to join a gather): finished ones are collected as later ones go out, and the
+  rest at the end of the backward.
+- A unit run out of the forward order (a module called twice, a submodule called directly) is
+  gathered where it runs, as before: that is rank-invariant only if every rank does it.
+- A gradient that reaches a unit after the schedule passed it (its backward ran out of order
+  on this rank) is an error that names the unit, never a silent loss.
+
 [Note: the unit protocol]
-- pre_forward (module forward pre-hook): stage 3 gathers the unit, then prefetches the next units
-  of the recorded forward order, up to ``stage3_prefetch_bucket_size`` elements.
+- pre_forward (module forward pre-hook): stage 3 catches up and gathers the unit, then prefetches
+  the next units of the forward order, up to ``stage3_prefetch_bucket_size`` elements.
 - post_forward (module forward hook): stage 3 frees the unit, unless autograd is running (then
   this forward is an activation-checkpointing recompute inside the unit's backward, which is
   about to need the parameters) or the unit is reused soon (see [Note: reuse distance]). Hooks
   go on the unit's output tensors so that the first gradient reaching them announces the unit's
   backward.
-- pre_backward (first output-gradient hook of the unit in this backward): stage 3 gathers the
-  unit again (a no-op when it was kept) and prefetches the unit that runs backward next; every
-  stage binds ``.grad`` views.
+- pre_backward (first output-gradient hook of the unit in this backward): catches up, then stage
+  3 gathers the unit (a no-op when it was kept) and prefetches along the backward order; every
+  stage binds ``.grad`` views. The unit's gradients are ACCUMULATING.
 - post_backward (when the last trainable parameter's gradient has been accumulated): stage 3
-  frees the parameters; stages 2-3 put the unit's groups in the open gradient bucket, and a full
-  bucket is reduce-scattered into the fp32 shards (hf_zero.engine.buckets, [Note: buckets]).
-  With ``overlap_comm`` that reduce-scatter is asynchronous and overlaps the backward of the
-  units before it; at most one bucket is in flight: the next flush (or finish_backward)
-  finishes it first, so memory stays bounded by two buckets.
+  frees the parameters; the unit's gradients are READY, and stages 2-3 reduce-scatter every
+  bucket that is now complete in the fixed order. With ``overlap_comm`` at stage 2 the
+  reduce-scatter is asynchronous and overlaps the backward of the units before it, at most one
+  bucket in flight, so memory stays bounded by two buckets.
 - finish_backward (queued on the autograd engine at the first pre_backward, so it runs once
-  the whole backward is done): reduces what the hooks did not (the last partial bucket, unused
-  parameters, frozen units, stages 0-1 at the accumulation boundary) in the fixed unit order so
-  every rank issues the same collectives, frees what is still gathered, and records the forward
-  order for prefetching.
-- At the accumulation boundary, each group whose fp32 gradient shard is final is announced to
-  ``on_grads_final`` (the offloaded optimizer starts its CPU step there, overlapping the
-  backward still running).
+  the whole backward is done): catches up the rest of the backward order, reduces what is left
+  (stages 0-1 at the accumulation boundary), frees what is still gathered and resets the states.
+- At the accumulation boundary, each group whose fp32 gradient shard is final and that this rank
+  used is announced to ``on_grads_final`` (the offloaded optimizer starts its CPU step there,
+  overlapping the backward still running).
 - With ``wall_clock_breakdown``, each gather (with its wait and the prefetches it starts) runs
   under the ``gather`` timer and each reduction under ``reduce`` (hf_zero.engine.timers).
 
-[Note: releasing a unit in backward]
-A stage-3 unit's parameters can go once its backward no longer reads them. The last trainable
-gradient says so for the trainable ones, but frozen parameters have no gradient to wait for and
-may still be read after it: a frozen RMSNorm at a decoder layer's input computes the input's
-gradient last, after every weight gradient of the layer has arrived (LoRA's frozen base weights
-likewise). So a unit with frozen gathered parameters also waits for the gradients of its forward
-inputs (``register_multi_grad_hook`` on the inputs that require grad, as FSDP2 does): once they
-are computed, nothing in the unit runs again in this backward. Without such inputs (the first
-unit, or inputs that need no gradient) the frozen parameters are only read on the way to a
-trainable gradient, so the last trainable gradient is enough. Whatever is left is freed at the
-end of the backward.
-
 [Note: reuse distance]
 DeepSpeed's ``stage3_max_reuse_distance``: a unit is kept gathered after its forward when its
-next use, its own backward, comes within that many gathered elements. On the recorded order, the
+next use, its own backward, comes within that many gathered elements. On the forward order, the
 elements gathered between a unit's forward and its backward are twice those of the units after
 it (each runs forward, then backward, before this one's backward). Kept units skip the re-gather,
 so stage 3 moves 2Ψ instead of 3Ψ per step, at the cost of holding those parameters; a unit is
 only kept while the gathered elements stay within ``stage3_max_live_parameters``. Nothing is kept
-before the order is recorded (the first step), without autograd (evaluation), or with a distance
-of 0. Whatever is still gathered is freed at the end of backward, and before every optimizer
-step (an update makes a gathered copy stale).
+without autograd (evaluation) or with a distance of 0. The decision reads the shared schedule's
+state only, so every rank keeps the same units. Whatever is still gathered is freed at the end
+of backward, and before every optimizer step (an update makes a gathered copy stale).
 """
 
 from __future__ import annotations
@@ -60,10 +74,10 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from hf_zero.comm import Communicator
-from hf_zero.engine.buckets import GradBucket, PendingBucket, finish_bucket, start_bucket
+from hf_zero.engine.buckets import PendingBucket, ReduceSchedule, finish_bucket, start_bucket
 from hf_zero.engine.flat_group import FlatParamGroup
 from hf_zero.engine.timers import PhaseTimers
-from hf_zero.engine.unit import ZeroUnit
+from hf_zero.engine.unit import GradState, ParamState, ZeroUnit
 
 
 def _in_backward() -> bool:
@@ -83,7 +97,8 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
 
 
 class UnitProtocol:
-    """Installs and runs [Note: the unit protocol] over a model's units (root unit last)."""
+    """Installs and runs [Note: the unit protocol] over a model's units (root unit last), along
+    [Note: the shared schedule]."""
 
     def __init__(
         self,
@@ -100,6 +115,7 @@ class UnitProtocol:
         max_reuse_numel: int = 0,
     ) -> None:
         self.units = units
+        self.root = units[-1]
         self.stage = stage
         self.comm = comm
         self.reduce_dtype = reduce_dtype
@@ -108,29 +124,39 @@ class UnitProtocol:
         self.max_reuse_numel = max_reuse_numel
         self.overlap_comm = overlap_comm
         self.timers = timers  # wall_clock_breakdown; None when off
-        self.bucket = GradBucket(reduce_bucket_numel)
-        self.in_flight: PendingBucket | None = None
         self.is_boundary = is_boundary
         # Called with groups whose fp32 gradient shard is final at the accumulation boundary.
         self.on_grads_final: Callable[[list[FlatParamGroup]], None] | None = None
         self.handles: list[RemovableHandle] = []
         self.finish_queued = False
-        self.forward_order: list[ZeroUnit] = []  # recorded on the previous forward
-        self.position: dict[int, int] = {}
-        self.numel_after: dict[int, int] = {}  # unit index -> sharded elements after it in order
-        self.current_order: list[ZeroUnit] = []
-        for unit in units:
-            unit.reset_backward_state()
+        # The shared schedule: forward order (root excluded; it runs around everything) and
+        # the backward order (its reverse).
+        self.forward_order = units[:-1]
+        self.forward_position = {u.index: i for i, u in enumerate(self.forward_order)}
+        self.backward_order = self.forward_order[::-1]
+        self.backward_position = {u.index: i for i, u in enumerate(self.backward_order)}
+        self.numel_after: dict[int, int] = {self.root.index: 0}  # sharded elements after a unit
+        after = 0
+        for unit in reversed(self.forward_order):
+            self.numel_after[unit.index] = after
+            after += unit.sharded_numel
+        self.forward_cursor = len(self.forward_order)  # no forward pass open
+        self.training_pass = False  # the open forward pass runs with autograd
+        self.backward_cursor = 0
+        self.backward_open = False
+        self.reductions = ReduceSchedule(
+            [(u, g) for u in self.backward_order + [self.root] for g in u.trainable_groups], reduce_bucket_numel)
+        self.in_flight: list[PendingBucket] = []
 
     # ------------------------------------------------------------------ install
     def install(self) -> None:
         for unit in self.units:
             self.handles.append(unit.module.register_forward_pre_hook(self._hook_pre_forward(unit), with_kwargs=True))
             self.handles.append(unit.module.register_forward_hook(self._hook_post_forward(unit)))
-            if self.stage >= 2:
-                for param in unit.trainable_params:
+            for group in unit.trainable_groups:
+                for param in group.params:
                     self.handles.append(
-                        param.register_post_accumulate_grad_hook(self._hook_post_accumulate(unit))
+                        param.register_post_accumulate_grad_hook(self._hook_post_accumulate(unit, group))
                     )
 
     def remove(self) -> None:
@@ -165,34 +191,11 @@ class UnitProtocol:
 
         return hook
 
-    def _hook_post_accumulate(self, unit: ZeroUnit) -> Callable:
+    def _hook_post_accumulate(self, unit: ZeroUnit, group: FlatParamGroup) -> Callable:
         def hook(param: torch.Tensor) -> None:
-            unit.pending_grads -= 1
-            if unit.pending_grads == 0:
-                self.post_backward(unit)
+            self.grad_arrived(unit, group)
 
         return hook
-
-    # ------------------------------------------------------------------ forward
-    def pre_forward(self, unit: ZeroUnit) -> None:
-        if self.stage != 3:
-            return
-        if _in_backward():  # an activation-checkpointing recompute: gather, no prefetch
-            self._timed("gather", self._gather, unit, 0)
-            return
-        if unit is self.units[-1]:  # the root: a new forward starts
-            self.current_order = []
-        if unit.sharded_numel:
-            self.current_order.append(unit)
-        self._timed("gather", self._gather, unit, 1)
-
-    def _gather(self, unit: ZeroUnit, prefetch_step: int) -> None:
-        """Gather ``unit`` and wait for it, then prefetch in the direction ``prefetch_step``
-        (1: forward order, -1: backward, 0: none)."""
-        unit.unshard()
-        unit.wait_unshard()
-        if prefetch_step:
-            self._prefetch(unit, step=prefetch_step)
 
     def _timed(self, phase: str, fn: Callable, *args: Any) -> None:
         """``fn(*args)``, timed as ``phase`` when wall_clock_breakdown is on."""
@@ -205,14 +208,55 @@ class UnitProtocol:
         finally:
             self.timers.stop(phase)
 
+    # ------------------------------------------------------------------ forward
+    def pre_forward(self, unit: ZeroUnit) -> None:
+        if self.stage != 3:
+            return
+        if _in_backward():  # an activation-checkpointing recompute: gather, no prefetch
+            self._timed("gather", unit.unshard)
+            return
+        if unit is self.root:  # a new forward pass starts
+            self.forward_cursor = 0
+            self.training_pass = torch.is_grad_enabled()
+            self._timed("gather", self._gather_forward, unit)
+            return
+        position = self.forward_position[unit.index]
+        if position < self.forward_cursor:  # out of the forward order: see [Note: the shared schedule]
+            self._timed("gather", unit.unshard)
+            return
+        self._catch_up_forward(position)
+        self.forward_cursor = position + 1
+        self._timed("gather", self._gather_forward, unit)
+
+    def _catch_up_forward(self, stop: int) -> None:
+        """The units of the forward order before ``stop`` that this rank skipped: gathered and
+        released as if they had run."""
+        while self.forward_cursor < stop:
+            skipped = self.forward_order[self.forward_cursor]
+            self.forward_cursor += 1
+            self._timed("gather", self._gather_forward, skipped)
+            self._end_forward(skipped)
+
+    def _gather_forward(self, unit: ZeroUnit) -> None:
+        unit.unshard()
+        start = 0 if unit is self.root else self.forward_position[unit.index] + 1
+        self._prefetch(self.forward_order, start, self._live_numel())
+
     def post_forward(self, unit: ZeroUnit, output: Any) -> None:
-        if self.stage == 3 and not _in_backward() and not self._keep_for_backward(unit):
-            unit.reshard()
+        if self.stage == 3 and not _in_backward():
+            if unit is self.root and self.forward_cursor <= len(self.forward_order):
+                self._catch_up_forward(len(self.forward_order))
+                self.forward_cursor = len(self.forward_order)
+            self._end_forward(unit)
         if not torch.is_grad_enabled():
             return
         for tensor in _tensors(output):
             if tensor.requires_grad:
                 tensor.register_hook(self._hook_pre_backward(unit))
+
+    def _end_forward(self, unit: ZeroUnit) -> None:
+        if not self._keep_for_backward(unit):
+            unit.reshard()
 
     # ------------------------------------------------------------------ backward
     def _hook_pre_backward(self, unit: ZeroUnit) -> Callable:
@@ -221,68 +265,147 @@ class UnitProtocol:
 
         return hook
 
-    def pre_backward(self, unit: ZeroUnit) -> None:
-        if unit.backward_started:
-            return
-        unit.backward_started = True
+    def _open_backward(self) -> None:
+        self.backward_open = True
+        self.backward_cursor = 0
+        self.reductions.reset()
         if not self.finish_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
             self.finish_queued = True
+
+    def pre_backward(self, unit: ZeroUnit) -> None:
+        if unit.backward_visited:
+            return
+        if not self.backward_open:
+            self._open_backward()
+        if unit is not self.root:
+            position = self.backward_position[unit.index]
+            if position >= self.backward_cursor:
+                self._catch_up_backward(position)
+                self.backward_cursor = position + 1
+        self._visit_backward(unit, runs=True)
+
+    def _catch_up_backward(self, stop: int) -> None:
+        """The units of the backward order before ``stop`` that this rank has no backward for:
+        gathered and released under stage 3, and their gradients READY with zeros."""
+        while self.backward_cursor < stop:
+            skipped = self.backward_order[self.backward_cursor]
+            self.backward_cursor += 1
+            if not skipped.backward_visited:
+                self._visit_backward(skipped, runs=False)
+
+    def _visit_backward(self, unit: ZeroUnit, runs: bool) -> None:
+        unit.backward_visited = True
         if self.stage == 3:
-            self._timed("gather", self._gather, unit, -1)
+            self._timed("gather", self._gather_backward, unit)
+        if not runs:
+            if self.stage == 3:
+                unit.reshard()
+            if unit.grad_state is GradState.IDLE:
+                self._grads_ready(unit)
+            return
+        if unit.grad_state is GradState.IDLE:
+            unit.move_grads(GradState.ACCUMULATING)
         unit.prepare_grads()
 
-    def post_backward(self, unit: ZeroUnit) -> None:
-        self._maybe_release(unit)  # the parameters; the gradients may still be in flight
-        unit.grads_reduced = True
-        if self.bucket.add(unit.groups):
-            self._timed("reduce", self._flush, self.overlap_comm)
+    def _gather_backward(self, unit: ZeroUnit) -> None:
+        unit.unshard()
+        if unit is self.root:
+            self._prefetch(self.backward_order, 0, self._live_numel_ahead(0))
+        else:
+            start = self.backward_position[unit.index]
+            self._prefetch(self.backward_order, start + 1, self._live_numel_ahead(start))
 
-    def _flush(self, async_op: bool) -> None:
-        """Reduce-scatter the open bucket; asynchronously, after finishing the one in flight."""
-        self._finish_in_flight()
-        pending = start_bucket(self.bucket.take(), self.comm, self.reduce_dtype, async_op)
+    def grad_arrived(self, unit: ZeroUnit, group: FlatParamGroup) -> None:
+        """A trainable parameter's gradient was accumulated (post-accumulate-grad hook)."""
+        if unit.grad_state is GradState.IDLE:  # reached without its output: a parameter used
+            unit.move_grads(GradState.ACCUMULATING)  # outside the unit's forward
+        elif unit.grad_state is not GradState.ACCUMULATING:
+            raise RuntimeError(
+                f"hf_zero: unit {unit.name} got a gradient after the shared schedule passed it "
+                f"(its gradients are {unit.grad_state.value}): its backward ran out of the model's "
+                "unit order on this rank. Make the module a single unit "
+                "(zero_optimization.wrap_modules) or run it in the model's order"
+            )
+        group.grad_received = True
+        unit.pending_grads -= 1
+        if unit.pending_grads == 0:
+            self._maybe_release(unit)  # the parameters; the gradients may still be in flight
+            self._grads_ready(unit)
+
+    def _grads_ready(self, unit: ZeroUnit) -> None:
+        unit.move_grads(GradState.READY)
+        if self.stage >= 2:
+            for bucket in self.reductions.ready_buckets():
+                self._timed("reduce", self._launch, bucket)
+
+    def _launch(self, groups: list[FlatParamGroup]) -> None:
+        """Reduce-scatter one bucket. Stage 3 never waits inside the backward ([Note: the shared
+        schedule]); stage 2 with overlap_comm keeps one bucket in flight; otherwise it is done
+        before this returns."""
+        async_op = self.stage == 3 or self.overlap_comm
+        if self.stage == 3:
+            self._collect_finished()
+        else:
+            self._finish_in_flight()
+        pending = start_bucket(groups, self.comm, self.reduce_dtype, async_op)
+        for unit in {id(g.owner): g.owner for g in groups}.values():
+            if unit.grad_state is GradState.READY:
+                unit.move_grads(GradState.REDUCING)
         if pending is None:
             return
         if async_op:
-            self.in_flight = pending
+            self.in_flight.append(pending)
         else:
+            self._finish(pending)
+
+    def _collect_finished(self) -> None:
+        """Finish the reductions in flight that have completed, without waiting."""
+        done = [p for p in self.in_flight if p.is_completed()]
+        for pending in done:
+            self.in_flight.remove(pending)
             self._finish(pending)
 
     def _finish_in_flight(self) -> None:
-        if self.in_flight is not None:
-            pending, self.in_flight = self.in_flight, None
-            self._finish(pending)
+        while self.in_flight:
+            self._finish(self.in_flight.pop(0))
 
     def _finish(self, pending: PendingBucket) -> None:
         finish_bucket(pending)
+        for group in pending.groups:
+            group.owner.group_reduced()
         if self.on_grads_final is not None and self.is_boundary():
-            self.on_grads_final([g for g in pending.groups if g.grad_shard is not None])
+            self.on_grads_final([g for g in pending.groups if g.grad_shard is not None and g.grad_received])
 
     def finish_backward(self) -> None:
         self.finish_queued = False
+        self._catch_up_backward(len(self.backward_order))
+        for unit in self.units:
+            if unit.grad_state in (GradState.IDLE, GradState.ACCUMULATING):
+                unit.move_grads(GradState.READY)  # partly used, or not used on this rank: zeros
         if self.stage == 0:
             if self.is_boundary():
-                for unit in self.units:
+                for unit in self.backward_order + [self.root]:
                     if unit.trainable_params:
-                        self._timed("reduce", unit.reduce_grads, self.reduce_dtype)
-        else:
-            reduce_now = self.stage >= 2 or self.is_boundary()
-            for unit in self.units:
-                if reduce_now and unit.trainable_params and not unit.grads_reduced:
-                    unit.grads_reduced = True
-                    if self.bucket.add(unit.groups):
-                        self._timed("reduce", self._flush, False)
-            self._timed("reduce", self._flush, False)
+                        self._timed("reduce", self._reduce_unit_stage0, unit)
+        elif self.stage >= 2 or self.is_boundary():
+            for bucket in self.reductions.remaining():
+                self._timed("reduce", self._launch, bucket)
+            self._timed("reduce", self._finish_in_flight)
         for unit in self.units:
             if self.stage == 3:
                 unit.reshard()
             unit.reset_backward_state()
-        self._record_order()
+        self.backward_open = False
+
+    def _reduce_unit_stage0(self, unit: ZeroUnit) -> None:
+        for group in unit.groups:
+            group.reduce_grads(self.reduce_dtype)
 
     def _maybe_release(self, unit: ZeroUnit) -> None:
         """Free a stage-3 unit once its backward is done: [Note: releasing a unit in backward]."""
-        if self.stage == 3 and unit.pending_grads == 0 and (unit.inputs_done or not unit.input_signal):
+        if (self.stage == 3 and unit.backward_visited and unit.pending_grads == 0
+                and (unit.inputs_done or not unit.input_signal)):
             unit.reshard()
 
     def release_all(self) -> None:
@@ -294,47 +417,42 @@ class UnitProtocol:
     # ------------------------------------------------------------------ reuse
     def _keep_for_backward(self, unit: ZeroUnit) -> bool:
         """Whether ``unit`` stays gathered until its backward: [Note: reuse distance]."""
-        if self.max_reuse_numel <= 0 or not torch.is_grad_enabled() or not unit.sharded_numel:
+        if self.max_reuse_numel <= 0 or not self.training_pass or not unit.sharded_numel:
             return False
-        after = self.numel_after.get(unit.index)
-        if after is None or 2 * after >= self.max_reuse_numel:
+        if 2 * self.numel_after[unit.index] >= self.max_reuse_numel:
             return False
         return self._live_numel() <= self.max_live_numel
 
     def _live_numel(self) -> int:
+        """Gathered (or gathering) elements: in a forward, the same on every rank."""
         return sum(u.sharded_numel for u in self.units if u.is_unsharded)
 
-    # ------------------------------------------------------------------ prefetch
-    def _record_order(self) -> None:
-        if self.current_order and self.current_order != self.forward_order:
-            self.forward_order = list(self.current_order)
-            self.position = {u.index: i for i, u in enumerate(self.forward_order)}
-            self.numel_after = {}
-            after = 0
-            for upcoming in reversed(self.forward_order):
-                self.numel_after.setdefault(upcoming.index, after)
-                after += upcoming.sharded_numel
-        self.current_order = []
+    def _live_numel_ahead(self, start: int) -> int:
+        """Gathered elements of the root and of the units from backward position ``start`` on:
+        the part of the backward's state every rank shares (units behind the cursor are freed
+        when this rank's own backward of them ends, at different times on different ranks)."""
+        ahead = self.backward_order[start:] + [self.root]
+        return sum(u.sharded_numel for u in ahead if u.is_unsharded)
 
-    def _prefetch(self, unit: ZeroUnit, step: int) -> None:
-        """Start gathering the units expected next (forward: step=1; backward: step=-1).
+    # ------------------------------------------------------------------ prefetch
+    def _prefetch(self, order: list[ZeroUnit], start: int, live: int) -> None:
+        """Start gathering the units of ``order`` from ``start`` on.
 
         The next unit is always prefetched when prefetching is on (a unit is gathered whole, and
         DeepSpeed's per-parameter bucket defaults, 0.9 x hidden^2, are smaller than one decoder
         layer); further units only while the bucket holds them. Nothing is prefetched that would
         take the gathered elements past ``stage3_max_live_parameters``."""
-        if self.prefetch_numel <= 0 or unit.index not in self.position:
+        if self.prefetch_numel <= 0:
             return
         budget = self.prefetch_numel
-        live = self._live_numel()
-        i = self.position[unit.index] + step
         first = True
-        while 0 <= i < len(self.forward_order):
-            upcoming = self.forward_order[i]
+        for upcoming in order[start:]:
+            if not upcoming.sharded_numel:
+                continue
             budget -= upcoming.sharded_numel
             if (budget < 0 and not first) or live + upcoming.sharded_numel > self.max_live_numel:
                 break
             first = False
-            live += 0 if upcoming.is_unsharded else upcoming.sharded_numel
-            upcoming.unshard(async_op=True)
-            i += step
+            if upcoming.param_state is ParamState.SHARDED:
+                live += upcoming.sharded_numel
+                upcoming.unshard(async_op=True)

@@ -9,15 +9,17 @@ over all shards of all ranks, the inner step, then the all-gather of updated par
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import OrderedDict
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
 from hf_zero.comm import Communicator
 from hf_zero.engine.buckets import all_gather_updated
 from hf_zero.engine.flat_group import FlatParamGroup
+from hf_zero.transfer import is_host_store, mark_host, to_compute
 
 # torch.nn.utils.clip_grad_norm_ uses the same epsilon; matching it keeps parity exact.
 CLIP_EPS = 1e-6
@@ -119,7 +121,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 # The kernel writes the compute copy in the same pass, unless the master is on the
                 # host (offloaded) or the shard in a file: then it is written after the step.
                 separate = g.master is not None and g.master.data_ptr() != g.shard.data_ptr()
-                if separate and not g.offload.optimizer_on_host and g.nvme_shard is None:
+                if separate and not g.offload.optimizer_on_host and g.nvme_shard is None and not g.shard_on_host:
                     inner.compute_copy[id(g.master)] = g.shard
 
     @property
@@ -151,20 +153,43 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _grad_shards(self) -> list[torch.Tensor]:
         return [g.grad_shard for g in self.groups if g.grad_shard is not None]
 
-    def _sqnorm_and_nonfinite(self) -> tuple[float, bool]:
+    @property
+    def device(self) -> torch.device:
+        """The compute device: where collectives take their tensors."""
+        return self.groups[0].full.device if self.groups else torch.device("cpu")
+
+    def _local_norm_terms(self) -> torch.Tensor:
+        """[squared norm, non-finite flag] of this rank's gradient shards, on the compute device.
+        Shards on the host (offload_optimizer) are summed on the host and only the two numbers
+        move (see [Note: host-device transfers])."""
         from hf_zero.kernels import nonfinite_and_sqnorm
 
-        shards = self._grad_shards()
-        if not shards:
-            return 0.0, False
-        found, sqnorm = nonfinite_and_sqnorm(shards)
-        return self._all_ranks_norm(torch.stack([sqnorm.float(), found.float()]))
+        terms = torch.zeros(2, dtype=torch.float32, device=self.device)
+        on_host = [g.grad_shard for g in self.groups if g.grad_shard is not None and is_host_store(g.grad_shard)]
+        on_device = [g.grad_shard for g in self.groups if g.grad_shard is not None and not is_host_store(g.grad_shard)]
+        for shards, host in ((on_device, False), (on_host, True)):
+            if shards:
+                found, sqnorm = nonfinite_and_sqnorm(shards)
+                part = torch.stack([sqnorm.float(), found.float()])
+                terms += to_compute(mark_host(part), self.device) if host else part
+        return terms
 
-    def _all_ranks_norm(self, packed: torch.Tensor) -> tuple[float, bool]:
-        """This rank's [squared norm, non-finite flag] summed over ranks: one all-reduce for both."""
-        if self.stage != 0:  # stage 0 grads are already identical on every rank
-            self.comm.all_reduce_(packed, label="grad_norm")
-        return float(packed[0]), bool(packed[1] > 0)
+    def _all_ranks_norm(self, local: torch.Tensor) -> tuple[float, bool, list[bool]]:
+        """This rank's [squared norm, non-finite flag] summed over ranks, and which groups got a
+        gradient on some rank: one all-reduce for all three.
+
+        [Note: groups no rank used]
+        A group none of whose parameters got a gradient on any rank since the last step (a layer
+        every rank skipped, an expert no token reached) is not stepped, as torch optimizers skip a
+        parameter whose ``grad`` is None and as DDP(find_unused_parameters=True) leaves such a
+        gradient None: no weight decay, no moment update, no step count. A group some rank used
+        is stepped on every rank, with the zeros the other ranks contributed."""
+        used = torch.tensor([float(g.grad_received) for g in self.groups], dtype=torch.float32, device=self.device)
+        packed = torch.cat([local.to(self.device), used])
+        if self.stage == 0 and self.comm.rank != 0:
+            packed[:2] = 0  # stage 0 gradients are identical on every rank: count them once
+        self.comm.all_reduce_(packed, label="grad_norm")
+        return float(packed[0]), bool(packed[1] > 0), (packed[2:] > 0).tolist()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for group in self.groups:
@@ -177,7 +202,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._finish_overlapped_step()
             return
         scale = self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
-        sqnorm, nonfinite = self._sqnorm_and_nonfinite()
+        sqnorm, nonfinite, used = self._all_ranks_norm(self._local_norm_terms())
         self.overflow = nonfinite
         if nonfinite:
             self.global_grad_norm = math.inf
@@ -190,7 +215,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         clip_coef = 1.0
         if self.gradient_clipping > 0:
             clip_coef = min(1.0, self.gradient_clipping / (norm + CLIP_EPS))
-        self._inner_step(scale, clip_coef)
+        with _skipping_unused(self.groups, used):
+            self._inner_step(scale, clip_coef)
         all_gather_updated(self.groups, self.comm, self.allgather_bucket_numel)
         if self.loss_scaler is not None:
             self.loss_scaler.update_scale(False)
@@ -213,7 +239,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     shard.mul_(factor)
             self.inner.step()
         for group in self.groups:
-            self._refresh_compute_copy(group)
+            if group.master is None or group.master.grad is not None or group.nvme_index is not None:
+                self._refresh_compute_copy(group)
 
     def _refresh_compute_copy(self, group: FlatParamGroup) -> None:
         """Write the updated master into the compute shard, unless the kernel already did (its
@@ -240,12 +267,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """See [Note: overlapped offload step]: wait for the worker, step what it did not get,
         then report the norm and all-gather as the plain step does."""
         results = self.overlapped.wait()
-        for group in self.groups:
-            if group.grad_shard is not None and id(group) not in results:
+        # Groups this rank did not use were held back ([Note: groups no rank used]): step those
+        # some other rank used.
+        _, _, used = self._all_ranks_norm(torch.zeros(2, dtype=torch.float32, device=self.device))
+        for group, group_used in zip(self.groups, used):
+            if group.grad_shard is not None and id(group) not in results and group_used:
                 results[id(group)] = self.overlapped.step_group(group)
         sqnorm = sum(sq for sq, _ in results.values())
         nonfinite = any(found for _, found in results.values())
-        sqnorm, self.overflow = self._all_ranks_norm(torch.tensor([sqnorm, float(nonfinite)], dtype=torch.float32))
+        local = torch.tensor([sqnorm, float(nonfinite)], dtype=torch.float32, device=self.device)
+        sqnorm, self.overflow, _ = self._all_ranks_norm(local)
         self.global_grad_norm = math.inf if self.overflow else math.sqrt(sqnorm)
         if self.overflow:
             self.zero_grad()
@@ -255,10 +286,27 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _nvme_step(self, scale: float, clip_coef: float) -> None:
         for group in self.groups:
-            if group.grad_shard is None or group.nvme_index is None:
+            if group.grad_shard is None or group.nvme_index is None or not group.used_in_step:
                 continue
             self.nvme.step(group.nvme_index, group.grad_shard, group.write_compute_shard, self._hyper_of(group),
                            grad_scale=scale, clip_coef=clip_coef)
+
+
+@contextlib.contextmanager
+def _skipping_unused(groups: list[FlatParamGroup], used: list[bool]) -> Iterator[None]:
+    """Inside the block, the masters of groups no rank used have ``grad`` None, so any torch
+    optimizer skips them ([Note: groups no rank used])."""
+    hidden = []
+    for group, group_used in zip(groups, used):
+        group.used_in_step = group_used
+        if not group_used and group.master is not None and group.master.grad is not None:
+            hidden.append((group.master, group.master.grad))
+            group.master.grad = None
+    try:
+        yield
+    finally:
+        for master, grad in hidden:
+            master.grad = grad
 
 
 def _raise_nonfinite() -> None:

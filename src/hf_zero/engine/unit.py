@@ -1,6 +1,23 @@
-"""A unit: one module and the flat groups of the parameters it owns (see partition.py)."""
+"""A unit: one module and the flat groups of the parameters it owns (see partition.py).
+
+[Note: unit states]
+Each unit carries two explicit states, and every change of either goes through one method that
+checks the transition is allowed, so a protocol error fails loudly where it happens instead of
+surfacing later as a wrong storage size:
+
+- its parameters (:class:`ParamState`): SHARDED (only this rank's shards exist), GATHERING (an
+  all-gather is in flight), GATHERED (full parameters usable). A unit with nothing to shard
+  (stages 0-2, persistent or root-only groups) is GATHERED for good.
+- its gradients in the current backward (:class:`GradState`): IDLE (its backward has not
+  started), ACCUMULATING (its output got a gradient: autograd is filling ``.grad``), READY (final
+  for this backward: every trainable parameter got its gradient, or the shared schedule passed
+  the unit without this rank running it, see [Note: the shared schedule] in hooks.py), REDUCING
+  (in a reduction in flight), REDUCED. The end-of-backward sweep puts every unit back to IDLE.
+"""
 
 from __future__ import annotations
+
+import enum
 
 import torch
 from torch import nn
@@ -10,6 +27,38 @@ from hf_zero.engine.flat_group import FlatParamGroup, GroupKind
 from hf_zero.engine.param_source import ParamSource
 from hf_zero.offload import OffloadSettings
 from hf_zero.partition import UnitSpec, is_persistent
+
+
+class ParamState(enum.Enum):
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
+
+
+class GradState(enum.Enum):
+    IDLE = "idle"
+    ACCUMULATING = "accumulating"
+    READY = "ready"
+    REDUCING = "reducing"
+    REDUCED = "reduced"
+
+
+_PARAM_MOVES = {
+    ParamState.SHARDED: {ParamState.GATHERING, ParamState.GATHERED},
+    ParamState.GATHERING: {ParamState.GATHERED},
+    ParamState.GATHERED: {ParamState.SHARDED},
+}
+_GRAD_MOVES = {
+    GradState.IDLE: {GradState.ACCUMULATING, GradState.READY},
+    GradState.ACCUMULATING: {GradState.READY},
+    GradState.READY: {GradState.REDUCING, GradState.REDUCED},
+    GradState.REDUCING: {GradState.REDUCED},
+    GradState.REDUCED: set(),
+}
+
+
+class UnitStateError(RuntimeError):
+    """A unit was asked for a transition its state does not allow: a bug in the protocol."""
 
 
 class ZeroUnit:
@@ -46,15 +95,18 @@ class ZeroUnit:
             )
             for i, (kind, named) in enumerate(sorted(buckets.items(), key=_kind_order))
         ]
+        for group in self.groups:
+            group.owner = self
         self.trainable_params = [p for g in self.groups if g.kind.trainable for p in g.params]
+        self.trainable_groups = [g for g in self.groups if g.kind.trainable]
         # Frozen gathered parameters get no gradient hook, yet the backward may still read them
         # after the last trainable gradient: see [Note: releasing a unit in backward].
         self.has_frozen_sharded = any(g.shards_params and not g.kind.trainable for g in self.groups)
-        # Per-backward state, reset by the end-of-backward sweep.
-        self.backward_started = False
-        self.grads_reduced = False
-        self.pending_grads = 0
+        self.param_state = ParamState.SHARDED if self.sharded_numel else ParamState.GATHERED
+        self.grad_state = GradState.IDLE
+        self.reset_backward_state()
 
+    # ----------------------------------------------------------------- sizes
     @property
     def numel(self) -> int:
         return sum(g.layout.numel for g in self.groups)
@@ -64,38 +116,65 @@ class ZeroUnit:
         """Elements that are gathered and freed around use (stage 3, non-persistent)."""
         return sum(g.layout.padded_numel for g in self.groups if g.shards_params)
 
+    # ----------------------------------------------------------------- parameter state
+    def _move_params(self, new: ParamState) -> None:
+        if new not in _PARAM_MOVES[self.param_state]:
+            raise UnitStateError(f"unit {self.name}: parameters cannot go from {self.param_state.value} to {new.value}")
+        self.param_state = new
+
     @property
     def is_unsharded(self) -> bool:
-        """Whether the sharded groups are gathered (or being gathered)."""
-        return any(g.shards_params and g.full.untyped_storage().nbytes() > 0 for g in self.groups)
+        """Whether the sharded groups are gathered or being gathered."""
+        return bool(self.sharded_numel) and self.param_state is not ParamState.SHARDED
 
-    def unshard(self, async_op: bool = False) -> None:
+    def unshard(self, async_op: bool = False) -> bool:
+        """Start gathering (``async_op``) or gather. Returns True if a collective was issued:
+        nothing is issued unless the unit is SHARDED."""
+        if self.param_state is not ParamState.SHARDED:
+            if not async_op:
+                self.wait_unshard()
+            return False
+        self._move_params(ParamState.GATHERING if async_op else ParamState.GATHERED)
         for group in self.groups:
             group.unshard(async_op=async_op)
+        return True
 
     def wait_unshard(self) -> None:
-        for group in self.groups:
-            group.wait_unshard()
+        if self.param_state is ParamState.GATHERING:
+            for group in self.groups:
+                group.wait_unshard()
+            self._move_params(ParamState.GATHERED)
 
     def reshard(self) -> None:
+        """Free the gathered parameters (a no-op for a unit with nothing sharded)."""
+        if not self.sharded_numel or self.param_state is ParamState.SHARDED:
+            return
+        self.wait_unshard()
         for group in self.groups:
             group.reshard()
+        self._move_params(ParamState.SHARDED)
+
+    # ----------------------------------------------------------------- gradient state
+    def move_grads(self, new: GradState) -> None:
+        if new not in _GRAD_MOVES[self.grad_state]:
+            raise UnitStateError(f"unit {self.name}: gradients cannot go from {self.grad_state.value} to {new.value}")
+        self.grad_state = new
+
+    def group_reduced(self) -> None:
+        """One of this unit's groups finished its reduction in this backward."""
+        self.unreduced_groups -= 1
+        if self.unreduced_groups == 0 and self.grad_state is GradState.REDUCING:
+            self.move_grads(GradState.REDUCED)
 
     def prepare_grads(self) -> None:
         for group in self.groups:
             group.prepare_grads()
 
-    def reduce_grads(self, reduce_dtype: torch.dtype) -> None:
-        """Reduce every group now, one collective each (stage 0's all-reduce; the other stages
-        reduce through buckets, see hf_zero.engine.buckets)."""
-        self.grads_reduced = True
-        for group in self.groups:
-            group.reduce_grads(reduce_dtype)
-
     def reset_backward_state(self) -> None:
-        self.backward_started = False
-        self.grads_reduced = False
+        self.grad_state = GradState.IDLE
         self.pending_grads = len(self.trainable_params)
+        self.unreduced_groups = len(self.trainable_groups)
+        self.backward_visited = False  # the shared backward schedule reached this unit
         self.input_signal = False  # a hook waits for the gradients of this unit's inputs
         self.inputs_done = False
 

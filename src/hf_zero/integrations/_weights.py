@@ -21,6 +21,7 @@ from collections.abc import Iterator, Mapping
 import torch
 from torch import nn
 
+from hf_zero.transfer import to_compute
 from hf_zero.engine.engine import ZeroEngine
 from hf_zero.engine.flat_group import FlatParamGroup
 
@@ -63,6 +64,8 @@ def _master_flat(engine: ZeroEngine, group: FlatParamGroup) -> torch.Tensor | No
     master = group.read_master()  # from the NVMe files under offload_optimizer nvme
     if group.layout.world_size == 1:
         return master  # stage 0: the master is already full
+    # An offloaded master lives on the host: the all-gather runs on the compute device.
+    master = to_compute(master, group.full.device)
     full = torch.empty(group.layout.padded_numel, dtype=torch.float32, device=master.device)
     engine.comm.all_gather_into(full, master, label=f"{group.label}.export")
     return full

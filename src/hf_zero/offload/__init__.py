@@ -3,7 +3,8 @@
 These stores are storage plus the kernels' Adam; the engine (flat groups, optimizer) uses them,
 so in the import order they sit between kernels and engine."""
 
-from hf_zero.offload.host import OffloadSettings, to_host
+from hf_zero.offload.host import OffloadSettings
+from hf_zero.transfer import to_host
 from hf_zero.offload.nvme import NvmeOptimizerStore
 from hf_zero.offload.nvme_params import NvmeParamStore, NvmeShard
 from hf_zero.offload.placement import units_to_offload

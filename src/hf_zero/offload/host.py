@@ -1,4 +1,5 @@
-"""Host (CPU) placement of offloaded tensors."""
+"""What a rank keeps off its compute device; the host copies themselves are made in
+hf_zero.transfer."""
 
 from __future__ import annotations
 
@@ -30,12 +31,3 @@ class OffloadSettings:
         """Stage-3 compute shards leave the compute device between gathers (cpu, or nvme with
         the shards that stay cached in host memory)."""
         return self.params != "none"
-
-
-def to_host(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
-    """A host copy (or the tensor itself when it already is one), page-locked when asked and a
-    GPU exists to make pinning useful (pinning needs CUDA)."""
-    host = tensor if tensor.device.type == "cpu" else tensor.to("cpu")
-    if pin and torch.cuda.is_available() and not host.is_pinned():
-        host = host.pin_memory()
-    return host

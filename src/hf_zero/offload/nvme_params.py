@@ -38,7 +38,6 @@ from typing import Callable, Iterator
 import torch
 
 from hf_zero.config.errors import ConfigProblem, HfZeroConfigError
-from hf_zero.offload.host import to_host
 from hf_zero.offload.nvme import byte_view, check_nvme_path, pread_all, pwrite_all
 
 DTYPE_SUFFIX = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -50,7 +49,10 @@ class SwapBufferPool:
     that took it (a gather in flight) registers how to make it give the buffer back."""
 
     def __init__(self, count: int, nbytes: int, pin: bool) -> None:
-        self.buffers = [to_host(torch.empty(nbytes, dtype=torch.uint8), pin) for _ in range(count)]
+        # Staging buffers, not a host store: on a CPU-only machine the all-gather reads them in
+        # place; on a GPU swap_in copies them to the device first.
+        pinned = pin and torch.cuda.is_available()
+        self.buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned) for _ in range(count)]
         self.free = list(range(count))[::-1]
         self.holders: OrderedDict[int, Callable[[], None]] = OrderedDict()
 
