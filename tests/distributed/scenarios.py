@@ -85,7 +85,7 @@ def train_engine(sc: dict[str, Any]) -> dict[str, Any]:
         step_losses = []
         for k in range(gas):
             start = (k * world + rank) * micro
-            loss = model_loss(engine, sc["model"], batch[start:start + micro])
+            loss = model_loss(engine, sc["model"], batch[start:start + micro].to(engine.device))
             engine.backward(loss)
             engine.step()
             step_losses.append(loss.item())

@@ -125,3 +125,30 @@ def test_torch_optimizer_and_scheduler_passed_in_are_rebound_to_the_shards(no_la
     assert all(not torch.equal(before[n], p) for n, p in engine.module.named_parameters())
     assert all(len(s) == 0 for s in user_optimizer.state.values())
     assert scheduler is user_scheduler and scheduler.optimizer is optimizer
+
+
+def test_stage3_parameter_read_outside_forward_names_it(no_launcher_env):
+    """[Note: parameters read outside their unit]: a custom loss reading a weight after the
+    forward, or a submodule called outside the model, gets an error that names the parameter
+    and the fix; metadata stays readable, and gathered_parameters gives the values."""
+    import hf_zero
+
+    sc = S.scenario("llama", 3)
+    config = S.make_config(sc)
+    config["zero_optimization"]["stage3_max_reuse_distance"] = 0  # nothing kept after forward
+    engine, _, _, _ = hf_zero.initialize(model=S.build_model(sc), config=config)
+    ids = torch.randint(0, 97, (2, 12))
+    engine.backward(S.model_loss(engine, "llama", ids))
+    engine.step()
+    head = engine.module.lm_head.weight
+    assert head.shape == (97, 16) and head.requires_grad  # metadata needs no gather
+    with pytest.raises(RuntimeError, match=r"'lm_head.weight' is sharded by ZeRO stage 3.*gathered_parameters"):
+        head.sum()
+    with pytest.raises(RuntimeError, match=r"'model.embed_tokens.weight'"):
+        engine.module.get_input_embeddings()(ids)
+    with engine.gathered_parameters([head]):
+        total = float(head.detach().sum())
+        assert type(head) is torch.nn.Parameter
+    assert total != 0.0
+    engine.backward(S.model_loss(engine, "llama", ids))  # training goes on unaffected
+    engine.step()

@@ -25,6 +25,7 @@ from torch import nn
 
 from hf_zero.comm import Communicator, Handle
 from hf_zero.engine.param_source import ParamSource
+from hf_zero.engine.sharded_param import mark_gathered, mark_sharded
 from hf_zero.offload import NvmeShard, OffloadSettings
 from hf_zero.transfer import copy_to_host_, to_compute, to_host
 from hf_zero.partition import FlatLayout, build_flat_layout
@@ -107,14 +108,14 @@ class FlatParamGroup:
             self.shard = torch.zeros(hi - lo, dtype=compute_dtype, device=device)
             self._fill_from_source(source, self.shard, lo, hi)
             self._bind_param_views()
-            free_storage(self.full)
+            self._free_full()
         else:
             self.full = self._flatten(compute_dtype, device, source if lazy else None)
             self._bind_param_views()
             # See [Note: views into flat buffers].
             self.shard = self.full[lo:hi].clone() if self.shards_params else self.full[lo:hi]
             if self.shards_params:
-                free_storage(self.full)
+                self._free_full()
         # offload_param: the compute shard waits on the host between gathers (stage 3), or in a
         # file (see [Note: NVMe parameter offload] in hf_zero.offload.nvme_params).
         self.nvme_shard: NvmeShard | None = None
@@ -177,6 +178,7 @@ class FlatParamGroup:
                 empty = torch.empty(0, dtype=view.dtype, device=view.device)
                 torch.utils.swap_tensors(param, nn.Parameter(empty, requires_grad=param.requires_grad))
             param.data = view
+            param._hf_zero_name = slot.name  # named in errors ([Note: parameters read outside their unit])
 
     def _init_master_and_grads(self, compute_dtype: torch.dtype, device: torch.device) -> None:
         # See [Note: master aliasing]. Offloaded, the master is always a separate fp32 copy on
@@ -224,6 +226,7 @@ class FlatParamGroup:
             return
         if not allocate_storage(self.full):
             return
+        mark_gathered(self.params)
         if self.nvme_shard is not None:
             shard = self.nvme_shard.swap_in(self.full.device, reclaim=self.wait_unshard)
         else:
@@ -244,7 +247,13 @@ class FlatParamGroup:
     def reshard(self) -> None:
         if self.shards_params:
             self.wait_unshard()
-            free_storage(self.full)
+            self._free_full()
+
+    def _free_full(self) -> None:
+        """Free the full buffer; its parameters raise a clear error if read until the next gather
+        ([Note: parameters read outside their unit])."""
+        free_storage(self.full)
+        mark_sharded(self.params)
 
     def gather_updated_shards(self) -> None:
         """After the optimizer step, bring every rank's updated shard into the full buffer
