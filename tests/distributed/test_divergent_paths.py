@@ -36,6 +36,10 @@ SCENARIOS = [dict(model="layerdrop_tower", stage=s) for s in (0, 1, 2, 3)] + [
     dict(model="layerdrop_tower", stage=2, gas=2, zero={"overlap_comm": True}),
     dict(model="layerdrop_tower", stage=3, gas=2),
     dict(model="moe", stage=3, zero={"reduce_bucket_size": 10**9}),
+    # One bucket per group: the order in which buckets go out is then what pairs them.
+    dict(model="layerdrop_tower", stage=2, zero={"reduce_bucket_size": 0}),
+    dict(model="layerdrop_tower", stage=3, zero={"reduce_bucket_size": 0}),
+    dict(model="moe", stage=2, zero={"reduce_bucket_size": 0, "overlap_comm": True}),
 ]
 
 

@@ -19,7 +19,7 @@ import torch
 from hf_zero.comm import Communicator
 from hf_zero.engine.buckets import all_gather_updated
 from hf_zero.engine.flat_group import FlatParamGroup
-from hf_zero.transfer import is_host_store, mark_host, to_compute
+from hf_zero.transfer import assert_not_host, is_host_store, mark_host, to_compute
 
 # torch.nn.utils.clip_grad_norm_ uses the same epsilon; matching it keeps parity exact.
 CLIP_EPS = 1e-6
@@ -184,8 +184,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         parameter whose ``grad`` is None and as DDP(find_unused_parameters=True) leaves such a
         gradient None: no weight decay, no moment update, no step count. A group some rank used
         is stepped on every rank, with the zeros the other ranks contributed."""
+        assert_not_host(local, "the grad-norm all-reduce")  # packed below: the check must see it here
         used = torch.tensor([float(g.grad_received) for g in self.groups], dtype=torch.float32, device=self.device)
-        packed = torch.cat([local.to(self.device), used])
+        packed = torch.cat([local, used])
         if self.stage == 0 and self.comm.rank != 0:
             packed[:2] = 0  # stage 0 gradients are identical on every rank: count them once
         self.comm.all_reduce_(packed, label="grad_norm")
