@@ -27,7 +27,8 @@ from hf_zero.comm import Communicator, Handle
 from hf_zero.engine.param_source import ParamSource
 from hf_zero.engine.sharded_param import mark_gathered, mark_sharded
 from hf_zero.offload import NvmeShard, OffloadSettings
-from hf_zero.transfer import copy_to_host_, to_compute, to_host
+from hf_zero.offload.shard_store import DeviceShard, HostShard, ShardStore
+from hf_zero.transfer import copy_to_host_, to_host
 from hf_zero.partition import FlatLayout, build_flat_layout
 
 
@@ -105,23 +106,25 @@ class FlatParamGroup:
             # Sharded loading: read only this rank's ranges; the full buffer is never touched
             # (torch.empty leaves its pages unallocated) and freed at once.
             self.full = torch.empty(self.layout.padded_numel, dtype=compute_dtype, device=device)
-            self.shard = torch.zeros(hi - lo, dtype=compute_dtype, device=device)
-            self._fill_from_source(source, self.shard, lo, hi)
+            shard = torch.zeros(hi - lo, dtype=compute_dtype, device=device)
+            self._fill_from_source(source, shard, lo, hi)
             self._bind_param_views()
             self._free_full()
         else:
             self.full = self._flatten(compute_dtype, device, source if lazy else None)
             self._bind_param_views()
             # See [Note: views into flat buffers].
-            self.shard = self.full[lo:hi].clone() if self.shards_params else self.full[lo:hi]
+            shard = self.full[lo:hi].clone() if self.shards_params else self.full[lo:hi]
             if self.shards_params:
                 self._free_full()
         # offload_param: the compute shard waits on the host between gathers (stage 3), or in a
         # file (see [Note: NVMe parameter offload] in hf_zero.offload.nvme_params).
-        self.nvme_shard: NvmeShard | None = None
+        # See [Note: shard stores]; the device store until the master is made from it.
+        self.store: ShardStore = DeviceShard(shard)
+        nvme_shard: NvmeShard | None = None
         if offload.params == "nvme" and self.shards_params:
-            self.nvme_shard = offload.param_store.register(label, self.shard)
-        self.shard_on_host = offload.params_on_host and self.shards_params
+            nvme_shard = offload.param_store.register(label, shard)
+        leaves_device = offload.params_on_host and self.shards_params
         self.nvme_index: int | None = None  # set when an NVMe store holds this group's state
         self.nvme_store: Any = None  # that NvmeOptimizerStore (offload_optimizer nvme)
         self._pending_gather: Handle | None = None
@@ -133,12 +136,14 @@ class FlatParamGroup:
         self.grad_received = False
         self.used_in_step = True  # set by the optimizer step: some rank used this group
         if kind.trainable:
-            self._init_master_and_grads(compute_dtype, device)
-        if self.shard_on_host:  # after the master, which stays on the device unless offloaded
-            self.shard = to_host(self.shard, offload.pin_memory)
-        if self.nvme_shard is not None:  # after the master is made from it
-            self.nvme_shard.write(self.shard)
-            self.shard = self.nvme_shard.placeholder()
+            self._init_master_and_grads(compute_dtype, device, separate_master=leaves_device)
+        # The shard leaves the device after the master is made from it (the master stays on
+        # the device unless the optimizer is offloaded too).
+        if nvme_shard is not None:
+            nvme_shard.write(shard)
+            self.store = nvme_shard
+        elif leaves_device:
+            self.store = HostShard(shard, offload.pin_memory)
 
     # ----------------------------------------------------------------- construction
     @property
@@ -180,14 +185,29 @@ class FlatParamGroup:
             param.data = view
             param._hf_zero_name = slot.name  # named in errors ([Note: parameters read outside their unit])
 
-    def _init_master_and_grads(self, compute_dtype: torch.dtype, device: torch.device) -> None:
+    @property
+    def shard(self) -> torch.Tensor:
+        """This rank's compute shard as its store holds it (an empty placeholder for a file)."""
+        return self.store.tensor
+
+    @property
+    def shard_on_host(self) -> bool:
+        """The compute shard leaves the device between gathers (host memory or a file)."""
+        return self.store.location != "device"
+
+    @property
+    def nvme_shard(self) -> NvmeShard | None:
+        return self.store if self.store.location == "nvme" else None  # type: ignore[return-value]
+
+    def _init_master_and_grads(self, compute_dtype: torch.dtype, device: torch.device,
+                               separate_master: bool) -> None:
         # See [Note: master aliasing]. Offloaded, the master is always a separate fp32 copy on
         # the host (cpu) or a placeholder whose values live in files (nvme).
         if self.offload.optimizer == "nvme":
             self.master = torch.zeros(0, dtype=torch.float32)
         elif self.offload.optimizer == "cpu":
             self.master = to_host(self.shard.to(torch.float32, copy=True), self.offload.pin_memory)
-        elif self.nvme_shard is not None or self.shard_on_host:
+        elif separate_master:
             # offload_param alone: the compute shard leaves the device, the master stays on it.
             self.master = self.shard.to(torch.float32, copy=True)
         else:
@@ -227,10 +247,7 @@ class FlatParamGroup:
         if not allocate_storage(self.full):
             return
         mark_gathered(self.params)
-        if self.nvme_shard is not None:
-            shard = self.nvme_shard.swap_in(self.full.device, reclaim=self.wait_unshard)
-        else:
-            shard = to_compute(self.shard, self.full.device) if self.shard_on_host else self.shard
+        shard = self.store.gather_input(self.full.device, reclaim=self.wait_unshard)
         self._pending_gather = self.comm.all_gather_into(
             self.full, shard, label=self.label, async_op=async_op
         )
@@ -241,8 +258,7 @@ class FlatParamGroup:
         if self._pending_gather is not None:
             self._pending_gather.wait()
             self._pending_gather = None
-            if self.nvme_shard is not None:
-                self.nvme_shard.release()
+            self.store.gather_done()
 
     def reshard(self) -> None:
         if self.shards_params:
@@ -297,17 +313,12 @@ class FlatParamGroup:
         """New values for elements [start, start + values.numel()) of this rank's compute shard
         (the optimizer's update, a loaded checkpoint): into ``shard``, or into its file under
         NVMe parameter offload."""
-        if self.nvme_shard is not None:
-            self.nvme_shard.write(values, start)
-        elif self.shard_on_host:
-            copy_to_host_(self.shard[start : start + values.numel()], values.reshape(-1))
-        else:
-            self.shard[start : start + values.numel()].copy_(values.reshape(-1))
+        self.store.write(values, start)
 
     def read_compute_shard(self) -> torch.Tensor:
         """This rank's compute shard (read from its file, into a new tensor, under NVMe parameter
         offload)."""
-        return self.nvme_shard.read() if self.nvme_shard is not None else self.shard
+        return self.store.read()
 
     # ----------------------------------------------------------------- gradients
     def prepare_grads(self) -> None:

@@ -102,6 +102,9 @@ class NvmeShard:
         self.numel = numel
         self.dtype = dtype
         self._held: int | None = None  # the pool buffer a gather in flight reads
+        self._placeholder: torch.Tensor | None = None
+
+    location = "nvme"  # a shard store: see [Note: shard stores] in hf_zero.offload.shard_store
 
     @property
     def file_bytes(self) -> int:
@@ -110,6 +113,18 @@ class NvmeShard:
     def placeholder(self) -> torch.Tensor:
         """What the group keeps as its ``shard`` while the values are in the file."""
         return torch.empty(0, dtype=self.dtype)
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        if self._placeholder is None:
+            self._placeholder = self.placeholder()
+        return self._placeholder
+
+    def gather_input(self, device: torch.device, reclaim: Callable[[], None]) -> torch.Tensor:
+        return self.swap_in(device, reclaim)
+
+    def gather_done(self) -> None:
+        self.release()
 
     # ----------------------------------------------------------------- raw file access
     def _pwrite(self, start: int, values: torch.Tensor) -> None:

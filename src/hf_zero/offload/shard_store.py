@@ -1,0 +1,87 @@
+"""Where a flat group's compute shard lives, behind one interface.
+
+[Note: shard stores]
+A flat group's compute shard (this rank's slice of its 16- or 32-bit parameters) lives in one of
+three places, and the group talks to it through the same five members whatever the place, so it
+does not branch on offload flags:
+
+| store | where | used for |
+|---|---|---|
+| :class:`DeviceShard` | a tensor on the compute device | no ``offload_param`` (and every stage 0-2 group) |
+| :class:`HostShard` | host memory (pinned with a GPU) | ``offload_param: cpu``, and NVMe shards within ``max_in_cpu`` |
+| ``NvmeShard`` (hf_zero.offload.nvme_params) | a file, read through a bounded buffer pool | ``offload_param: nvme`` |
+
+- ``tensor``: what the group holds as its ``shard`` (the values, or an empty placeholder for a
+  file).
+- ``gather_input(device, reclaim)``: the tensor the all-gather sends, on the compute device;
+  ``gather_done()`` once that gather has completed (a file's pool buffer is given back).
+- ``read()``: the whole shard (a new host tensor for a file); ``write(values, start)``: new
+  values for a range of it, from any device and dtype (the optimizer's update, a loaded
+  checkpoint).
+Every copy between host and device goes through hf_zero.transfer.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+
+from hf_zero.transfer import copy_to_host_, to_compute, to_host
+
+
+class ShardStore(Protocol):
+    location: str  # "device" | "host" | "nvme"
+
+    @property
+    def tensor(self) -> torch.Tensor: ...
+
+    def gather_input(self, device: torch.device, reclaim: Callable[[], None]) -> torch.Tensor: ...
+
+    def gather_done(self) -> None: ...
+
+    def read(self) -> torch.Tensor: ...
+
+    def write(self, values: torch.Tensor, start: int = 0) -> None: ...
+
+
+class DeviceShard:
+    """The shard as a tensor on the compute device (it may alias the fp32 master)."""
+
+    location = "device"
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def gather_input(self, device: torch.device, reclaim: Callable[[], None]) -> torch.Tensor:
+        return self.tensor
+
+    def gather_done(self) -> None:
+        return None
+
+    def read(self) -> torch.Tensor:
+        return self.tensor
+
+    def write(self, values: torch.Tensor, start: int = 0) -> None:
+        self.tensor[start : start + values.numel()].copy_(values.reshape(-1))
+
+
+class HostShard:
+    """The shard in host memory between gathers."""
+
+    location = "host"
+
+    def __init__(self, tensor: torch.Tensor, pin: bool) -> None:
+        self.tensor = to_host(tensor, pin)
+
+    def gather_input(self, device: torch.device, reclaim: Callable[[], None]) -> torch.Tensor:
+        return to_compute(self.tensor, device)
+
+    def gather_done(self) -> None:
+        return None
+
+    def read(self) -> torch.Tensor:
+        return self.tensor
+
+    def write(self, values: torch.Tensor, start: int = 0) -> None:
+        copy_to_host_(self.tensor[start : start + values.numel()], values.reshape(-1))
