@@ -9,12 +9,27 @@ import sys
 
 
 def _demo(args: argparse.Namespace, rest: list[str]) -> int:
+    # Every flag but --nproc belongs to hf_zero.demo: pass them on as they were given.
+    passed = _without_option(args.argv, "--nproc")
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={args.nproc}", "-m", "hf_zero.demo", *rest,
+        f"--nproc_per_node={args.nproc}", "-m", "hf_zero.demo", *passed,
     ]
     print("running:", " ".join(command), flush=True)
     return subprocess.call(command)
+
+
+def _without_option(argv: list[str], option: str) -> list[str]:
+    """``argv`` less ``option VALUE`` / ``option=VALUE``."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == option:
+            skip = True
+        elif not arg.startswith(option + "="):
+            out.append(arg)
+    return out
 
 
 def _check_config(args: argparse.Namespace, rest: list[str]) -> int:
@@ -64,26 +79,34 @@ def _estimate(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _add_export_and_estimate(sub: argparse._SubParsersAction) -> None:
-    export = sub.add_parser("export", help="write a checkpoint as a Hugging Face model folder (from_pretrained loads it)")
+    export = sub.add_parser("export", formatter_class=_FORMATTER,
+                            help="write a checkpoint as a Hugging Face model folder (from_pretrained loads it)",
+                            description="Write a sharded hf_zero checkpoint, saved at any world size, as a plain "
+                            "Hugging Face model folder. Needs neither the model code nor a GPU.")
     export.add_argument("ckpt_dir", help="the save_checkpoint directory (uses its 'latest'), or one checkpoint directory")
-    export.add_argument("out_dir")
-    export.add_argument("--tag", default=None, help="checkpoint tag (default: the one 'latest' names)")
-    export.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
-    export.add_argument("--max-shard-size", default="5GB", help="largest weights file, e.g. 5GB, 500MB (default 5GB)")
+    export.add_argument("out_dir", help="the model folder to write (config.json is copied when the checkpoint has it)")
+    export.add_argument("--tag", default=None, help="checkpoint tag (None: the one 'latest' names)")
+    export.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="dtype of the saved weights")
+    export.add_argument("--max-shard-size", default="5GB", help="largest weights file, e.g. 5GB, 500MB")
     export.set_defaults(func=_export)
-    estimate = sub.add_parser("estimate", help="per-rank memory for model states under ZeRO stages 1-3 and offload")
+    estimate = sub.add_parser("estimate", formatter_class=_FORMATTER,
+                              help="per-rank memory for model states under ZeRO stages 1-3 and offload",
+                              description="Per-rank bytes of parameters, gradients, fp32 master and Adam state "
+                              "for each stage, laid out exactly as the engine lays them out (the model is "
+                              "built on the meta device from its config), with CPU-offload rows.")
     estimate.add_argument("--model", required=True, help="a model folder or config.json path, or a Hub name")
-    estimate.add_argument("--gpus-per-node", type=int, default=1)
-    estimate.add_argument("--nodes", type=int, default=1)
+    estimate.add_argument("--gpus-per-node", type=int, default=1, help="ranks per node")
+    estimate.add_argument("--nodes", type=int, default=1, help="nodes")
     estimate.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="bf16", help="compute dtype")
-    estimate.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3], choices=[0, 1, 2, 3])
+    estimate.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3], choices=[0, 1, 2, 3],
+                          help="ZeRO stages to show")
     estimate.add_argument("--persistence-threshold", type=int, default=100_000,
-                          help="stage3_param_persistence_threshold (default DeepSpeed's 100000)")
+                          help="stage3_param_persistence_threshold (DeepSpeed's default)")
     for flag, default, key in (("--reduce-bucket-size", 500_000_000, "reduce_bucket_size"),
                                ("--max-reuse-distance", 1_000_000_000, "stage3_max_reuse_distance"),
                                ("--max-live-parameters", 1_000_000_000, "stage3_max_live_parameters")):
         estimate.add_argument(flag, type=int, default=default,
-                              help=f"{key}, for the working-memory column (default DeepSpeed's {default:g})")
+                              help=f"{key}, for the working-memory column (DeepSpeed's default)")
     estimate.set_defaults(func=_estimate)
 
 
@@ -181,26 +204,46 @@ def _launch(argv: list[str]) -> int:
             os.unlink(tmp_path)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "launch":  # everything after it belongs to accelerate launch or the script
-        return _launch(argv[1:])
-    parser = argparse.ArgumentParser(prog="hf-zero", description="hf_zero: ZeRO for Hugging Face")
+_FORMATTER = argparse.ArgumentDefaultsHelpFormatter
+_LAUNCH_HELP = ("accelerate launch with an hf_zero: section in --config_file (or --zero_config z.json); "
+                "every other argument goes to accelerate launch unchanged")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from hf_zero.demo import add_demo_arguments
+
+    parser = argparse.ArgumentParser(prog="hf-zero", description="hf_zero: ZeRO for Hugging Face models")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="a real 2-process ZeRO-3 training run on CPU (extra flags go to hf_zero.demo)")
-    demo.add_argument("--nproc", type=int, default=2)
+    demo = sub.add_parser("demo", formatter_class=_FORMATTER,
+                          help="a real multi-process ZeRO training run of a small GPT-2 on CPU",
+                          description="Start `torchrun --standalone` on hf_zero.demo: a real ZeRO run of a small "
+                          "GPT-2 on CPU over gloo, with a progress bar and a summary.")
+    demo.add_argument("--nproc", type=int, default=2, help="processes (ranks) to start")
+    add_demo_arguments(demo)
     demo.set_defaults(func=_demo)
-    check = sub.add_parser("check-config", help="validate a DeepSpeed/hf_zero JSON config")
-    check.add_argument("path")
+    check = sub.add_parser("check-config", formatter_class=_FORMATTER,
+                           help="validate a DeepSpeed/hf_zero JSON config",
+                           description="Check every key of a DeepSpeed-schema JSON config and report every "
+                           "problem at once; \"auto\" values are listed, to be filled by the Trainer or Accelerate.")
+    check.add_argument("path", help="the JSON config file")
     check.set_defaults(func=_check_config)
     _add_export_and_estimate(sub)
-    launch = sub.add_parser("launch", help="accelerate launch with an hf_zero: section in --config_file "
-                            "(or --zero_config z.json); every other argument goes to accelerate launch")
-    launch.add_argument("accelerate_args", nargs=argparse.REMAINDER)
-    args, rest = parser.parse_known_args(argv)
-    if rest and args.command != "demo":
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    return args.func(args, rest)
+    launch = sub.add_parser("launch", help=_LAUNCH_HELP, description=_LAUNCH_HELP)
+    launch.add_argument("--config_file", help="an accelerate yaml, optionally with an hf_zero: section")
+    launch.add_argument("--zero_config", help="a DeepSpeed-style JSON config (instead of the yaml section)")
+    launch.add_argument("script_and_args", nargs=argparse.REMAINDER,
+                        help="accelerate launch options, the script and its arguments")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["launch"] and argv[1:] not in (["--help"], ["-h"]):
+        return _launch(argv[1:])  # everything after it belongs to accelerate launch or the script
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.argv = argv[1:]
+    return args.func(args, [])
 
 
 if __name__ == "__main__":

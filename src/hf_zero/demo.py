@@ -23,20 +23,27 @@ import torch
 import torch.distributed as dist
 
 
+def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    """The demo's flags (shared with ``hf-zero demo``, which passes them through)."""
+    parser.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3], help="ZeRO stage")
+    parser.add_argument("--steps", type=int, default=40, help="optimizer steps")
+    parser.add_argument("--n-layer", type=int, default=4, help="GPT-2 layers")
+    parser.add_argument("--n-embd", type=int, default=256, help="GPT-2 hidden size")
+    parser.add_argument("--vocab", type=int, default=8192, help="vocabulary size")
+    parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
+    parser.add_argument("--micro-batch", type=int, default=4, help="sequences per rank per micro-step")
+    parser.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
+    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                        help="compute dtype (bf16 is slow on CPUs without native bf16 matmul)")
+    parser.add_argument("--seed", type=int, default=1234, help="seed of the weights and the data")
+    parser.add_argument("--json", type=str, default=None, help="also write the summary to this JSON file")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3])
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--n-layer", type=int, default=4)
-    parser.add_argument("--n-embd", type=int, default=256)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--micro-batch", type=int, default=4)
-    parser.add_argument("--grad-accum", type=int, default=1)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--json", type=str, default=None, help="also write the summary here")
+    parser = argparse.ArgumentParser(prog="python -m hf_zero.demo", description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_demo_arguments(parser)
     return parser.parse_args(argv)
 
 
