@@ -4,8 +4,12 @@ Run it with ``hf-zero demo`` (which starts ``torchrun``), or directly with
 ``torchrun --nproc_per_node 2 -m hf_zero.demo``. Each rank builds nothing by itself: rank 0
 saves a freshly initialised model with ``save_pretrained``, every rank loads it with
 ``from_pretrained`` (the real loading path), and ``hf_zero.initialize`` shards it. The data is a
-synthetic sparse Markov chain (each token has 4 possible successors), so the loss has somewhere
-to go: from ln(vocab) toward ln(4).
+synthetic sparse Markov chain over the first ``--active-vocab`` tokens (each token has 4
+possible successors), so the loss has somewhere to go within a short run: from ln(vocab) toward
+ln(4), through ln(active vocab) once the model learns which tokens occur.
+
+The summary says what the run showed: the loss curve, and each rank's model states against the
+ZeRO formula for the stage (16Ψ/N bytes at stage 3 in fp32).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n-layer", type=int, default=4, help="GPT-2 layers")
     parser.add_argument("--n-embd", type=int, default=256, help="GPT-2 hidden size")
     parser.add_argument("--vocab", type=int, default=8192, help="vocabulary size")
+    parser.add_argument("--active-vocab", type=int, default=256, help="tokens the data uses (its Markov chain's states)")
     parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     parser.add_argument("--micro-batch", type=int, default=4, help="sequences per rank per micro-step")
     parser.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
@@ -48,6 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def markov_successors(vocab: int, seed: int) -> torch.Tensor:
+    """Each of ``vocab`` states' 4 possible successors."""
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (vocab, 4), generator=generator)
 
@@ -69,6 +75,7 @@ def save_model(args: argparse.Namespace, path: str) -> None:
     config = GPT2Config(
         vocab_size=args.vocab, n_positions=args.seq, n_embd=args.n_embd, n_layer=args.n_layer,
         n_head=max(1, args.n_embd // 64), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        bos_token_id=0, eos_token_id=0,  # GPT-2's own ids (50256) are outside a small vocabulary
     )
     GPT2LMHeadModel(config).save_pretrained(path)
 
@@ -93,6 +100,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     from hf_zero.comm import default_device, ensure_process_group
 
     ensure_process_group(default_device())  # the barrier below needs it before initialize
+    if args.dtype == "bf16" and default_device().type == "cpu" and int(os.environ.get("RANK", "0")) == 0:
+        warn_if_bf16_is_slow()
     model_dir = os.path.join(tempfile.gettempdir(), f"hf_zero_demo_{os.environ.get('MASTER_PORT', 'local')}")
     rank = int(os.environ.get("RANK", "0"))
     if rank == 0:
@@ -100,9 +109,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     if dist.is_initialized():
         dist.barrier()
     model = GPT2LMHeadModel.from_pretrained(model_dir)
+    model.loss_type = "ForCausalLM"  # transformers infers it from the class name, and warns for GPT-2's
     engine, _, _, _ = hf_zero.initialize(model=model, config=zero_config(args))
     world = engine.world_size
-    successors = markov_successors(args.vocab, args.seed)
+    successors = markov_successors(min(args.active_vocab, args.vocab), args.seed)
     losses, step_times = [], []
     bar = tqdm(range(args.steps), desc=f"ZeRO-{args.stage} x{world}", disable=engine.rank != 0)
     for step in bar:
@@ -121,6 +131,35 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     return summarize(args, engine, losses, step_times)
 
 
+def warn_if_bf16_is_slow() -> None:
+    """Many CPUs have no native bf16 matrix multiply: a bf16 run is then many times slower."""
+    a = torch.randn(256, 256)
+    timings = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        x = a.to(dtype)
+        x @ x  # warm-up
+        start = time.perf_counter()
+        for _ in range(5):
+            x @ x
+        timings[dtype] = time.perf_counter() - start
+    ratio = timings[torch.bfloat16] / timings[torch.float32]
+    if ratio > 3:
+        print(f"warning: a bf16 matrix multiply is {ratio:.0f}x slower than fp32 on this CPU (no native bf16 "
+              "support): expect a slow run, or use --dtype fp32", flush=True)
+
+
+def model_state_formula(stage: int, dtype: str, params: int, world: int) -> tuple[int, str]:
+    """The ZeRO formula for this rank's model states in bytes (Adam, fp32 master), and its name:
+    c bytes per compute element (4 fp32, 2 bf16)."""
+    c = 4 if dtype == "fp32" else 2
+    master = 0 if c == 4 else 4  # in fp32 the master is the parameter itself
+    if stage == 0:
+        return params * (c + c + master + 8) + (params * 4 if c != 4 else 0), "16Ψ" if c == 4 else "20Ψ"
+    if stage in (1, 2):
+        return c * params + (4 + master + 8) * params // world, "4Ψ + 12Ψ/N" if c == 4 else "2Ψ + 16Ψ/N"
+    return (c + 4 + master + 8) * params // world, "16Ψ/N" if c == 4 else "18Ψ/N"
+
+
 def summarize(args: argparse.Namespace, engine: Any, losses: list[float], step_times: list[float]) -> dict[str, Any]:
     peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     per_rank = engine.comm.all_gather_objects({
@@ -129,9 +168,11 @@ def summarize(args: argparse.Namespace, engine: Any, losses: list[float], step_t
     timed = step_times[2:] or step_times
     tokens = args.micro_batch * args.grad_accum * args.seq * engine.world_size
     mean_losses = [statistics.fmean(r["loss"][i] for r in per_rank) for i in range(len(losses))]
+    params = sum(p.numel() for p in engine.module.parameters())
+    formula_bytes, formula = model_state_formula(args.stage, args.dtype, params, engine.world_size)
     return {
         "stage": args.stage, "world_size": engine.world_size, "dtype": args.dtype,
-        "params": sum(p.numel() for p in engine.module.parameters()),
+        "params": params, "formula": formula, "formula_bytes": formula_bytes,
         "units": len(engine.units), "unit_rule": engine.unit_rule,
         "loss_first": mean_losses[0], "loss_last": mean_losses[-1],
         "step_time_median_s": statistics.median(timed), "tokens_per_s": tokens / statistics.median(timed),
@@ -150,6 +191,13 @@ def print_summary(summary: dict[str, Any]) -> None:
         m = r["memory"]
         print(f"  {r['rank']:>4} {m['compute_params']/mib:7.2f} {m['gradients']/mib:6.2f} {m['fp32_master']/mib:7.2f} "
               f"{m['optimizer_state']/mib:6.2f} {m['total']/mib:6.2f} {r['peak_rss_mib']:9.1f}")
+    states = [r["memory"]["compute_params"] + r["memory"]["gradients"] + r["memory"]["fp32_master"]
+              + r["memory"]["optimizer_state"] for r in summary["per_rank"]]
+    print(f"what this showed: the loss fell by {summary['loss_first'] - summary['loss_last']:.2f} over "
+          f"{len(summary['per_rank'][0]['loss'])} steps; each rank holds {max(states)/mib:.2f} MiB of model "
+          f"states, {max(states) / summary['formula_bytes']:.3f}x ZeRO-{summary['stage']}'s "
+          f"{summary['formula']} = {summary['formula_bytes']/mib:.2f} MiB (Ψ = {summary['params']:,}, "
+          f"N = {summary['world_size']}; the excess is padding to equal shards)")
 
 
 def main(argv: list[str] | None = None) -> None:
