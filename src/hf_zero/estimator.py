@@ -93,6 +93,19 @@ class StateEstimate:
     working_bytes: int  # transient on top, during forward/backward
     host_bytes: int  # per rank
     breakdown: dict[str, int] = field(default_factory=dict)  # the no-offload categories
+    compute_bytes: int = 2  # c: bytes per compute element
+
+    @property
+    def formula(self) -> str:
+        """The device bytes as a formula in Ψ (all parameters trainable, none persistent)."""
+        return device_formula(self.stage, self.compute_bytes, self.offload_optimizer, self.offload_param)
+
+    @property
+    def paper_formula(self) -> str:
+        """The ZeRO paper's figure for the same row (mixed precision, Adam: K = 12), or "-"."""
+        if self.offload_optimizer or self.offload_param:
+            return "-"
+        return {0: "16Ψ", 1: "4Ψ + 12Ψ/N", 2: "2Ψ + 14Ψ/N", 3: "16Ψ/N"}[self.stage]
 
     @property
     def host_bytes_per_node(self) -> int:
@@ -200,7 +213,7 @@ def _estimate(model: nn.Module, world: int, gpus_per_node: int, stage: int, comp
         host += sharded
         device -= sharded
     return StateEstimate(stage, offload_optimizer, offload_param, world, gpus_per_node, device,
-                         _working_bytes(groups, stage, compute_bytes, working), host, mem)
+                         _working_bytes(groups, stage, compute_bytes, working), host, mem, compute_bytes)
 
 
 def estimate_model_states(
@@ -269,12 +282,31 @@ def _human(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
+def device_formula(stage: int, compute_bytes: int, offload_optimizer: bool, offload_param: bool) -> str:
+    """hf_zero's device bytes per rank in Ψ: c bytes per compute element (4 fp32, 2 bf16/fp16);
+    in fp32 the master is the parameter itself, and gradients are reduced into fp32 shards."""
+    c = compute_bytes
+    if offload_param:
+        return "0 (persistent only)"
+    if offload_optimizer:  # the gradient shard, master and moments go to the host
+        return f"{c}Ψ" if stage < 3 else f"{c}Ψ/N"
+    master = 0 if c == 4 else 4
+    if stage == 0:
+        return f"{c + c + master + 8 + (4 if c != 4 else 0)}Ψ"
+    if stage in (1, 2):
+        return f"{c}Ψ + {4 + master + 8}Ψ/N"
+    return f"{c + 4 + master + 8}Ψ/N"
+
+
 def format_table(estimates: list[StateEstimate]) -> str:
-    """The estimates as a text table, one row per stage and offload choice."""
-    header = ("stage", "offload_optimizer", "offload_param", "device/rank", "+working", "host/rank", "host/node")
+    """The estimates as a text table, one row per stage and offload choice, with the formula each
+    device figure follows and the ZeRO paper's figure beside it."""
+    header = ("stage", "offload_optimizer", "offload_param", "device/rank", "formula", "ZeRO paper",
+              "+working", "host/rank", "host/node")
     rows = [header] + [
         (str(e.stage), "cpu" if e.offload_optimizer else "none", "cpu" if e.offload_param else "none",
-         _human(e.device_bytes), _human(e.working_bytes), _human(e.host_bytes), _human(e.host_bytes_per_node))
+         _human(e.device_bytes), e.formula, e.paper_formula, _human(e.working_bytes), _human(e.host_bytes),
+         _human(e.host_bytes_per_node))
         for e in estimates
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]

@@ -130,3 +130,21 @@ def test_bad_arguments_are_refused():
         model_state_bytes(Toy(), 2, 1, dtype="int8")
     with pytest.raises(ValueError, match=">= 1"):
         estimate_model_states(Toy(), num_gpus_per_node=0)
+
+
+def test_each_row_names_its_formula_and_the_papers():
+    """The formula column, checked against the row's own bytes on a model with nothing
+    persistent and no padding to speak of: device bytes / Ψ at the formula's coefficients."""
+    psi = sum(p.numel() for p in Toy().parameters())
+    rows = estimate_model_states(Toy(), num_gpus_per_node=4, dtype="bf16", stages=(1, 3), persistence_threshold=0)
+    by = {(r.stage, r.offload_optimizer, r.offload_param): r for r in rows}
+    assert by[(1, False, False)].formula == "2Ψ + 16Ψ/N" and by[(1, False, False)].paper_formula == "4Ψ + 12Ψ/N"
+    assert by[(3, False, False)].formula == "18Ψ/N" and by[(3, False, False)].paper_formula == "16Ψ/N"
+    assert by[(3, True, False)].formula == "2Ψ/N" and by[(3, True, False)].paper_formula == "-"
+    assert by[(3, True, True)].formula == "0 (persistent only)"
+    padded = by[(3, False, False)].device_bytes / (18 * psi / 4)
+    assert 1.0 <= padded < 1.1  # the formula is the row's bytes up to padding
+    table = format_table(rows)
+    assert "ZeRO paper" in table.splitlines()[0] and "2Ψ + 16Ψ/N" in table
+    fp32 = estimate_model_states(Toy(), num_gpus_per_node=4, dtype="fp32", stages=(0, 2), persistence_threshold=0)
+    assert [r.formula for r in fp32 if not r.offload_optimizer] == ["16Ψ", "4Ψ + 12Ψ/N"]
