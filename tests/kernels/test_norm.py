@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from hf_zero import kernels
+from hf_zero.kernels import dispatch
+from hf_zero.kernels import reference
 from tests.kernels.helpers import NORM_TOL
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
@@ -63,3 +65,20 @@ def test_large_finite_values_are_not_reported_as_nonfinite() -> None:
 def test_no_tensors_is_refused() -> None:
     with pytest.raises(ValueError, match="at least one tensor"):
         kernels.nonfinite_and_sqnorm([])
+
+
+@pytest.mark.skipif(dispatch.INTERPRET, reason="1e8 elements through Triton's interpreter take minutes")
+def test_sqnorm_of_a_huge_shard_matches_fp64() -> None:
+    # A flat fp32 shard of 1e8 gradients (a 100M-parameter model at world size 1), magnitudes
+    # spread over orders like different layers' gradients: randn scaled per run of 1000 elements
+    # by a log-normal factor. An fp32 running sum over it is ~2% low (see [Note: accurate norms]).
+    numel, run = 100_000_000, 1000
+    shard = torch.randn(numel)
+    shard.view(-1, run).mul_(torch.randn(numel // run, 1).mul_(1.5).exp_().mul_(1e-3))
+    expected = sum(torch.linalg.vector_norm(piece, dtype=torch.float64).square().item()
+                   for piece in shard.split(1 << 22))
+    for name, fn in (("dispatch", kernels.nonfinite_and_sqnorm), ("reference", reference.nonfinite_and_sqnorm)):
+        found, sqnorm = fn([shard])
+        assert found.item() is False and sqnorm.dtype == F32
+        assert sqnorm.item() == pytest.approx(expected, rel=1e-6), name
+    del shard

@@ -86,14 +86,44 @@ def fused_adam_cpu_(
             out_flat[start:stop].copy_(p)
 
 
+# [Note: accurate norms] torch's CPU norm accumulates a whole tensor in a handful of fp32 lanes:
+# the running sum grows until each square added loses its low bits, so a flat shard of 1e8
+# gradients comes out 1-2% low. Each tensor is therefore reduced in rows of NORM_CHUNK_NUMEL
+# elements (fp32 within a row) and the row results are summed in fp64; the total is rounded once
+# to fp32. The error left grows with the row length: measured on 1e8 elements of spread
+# magnitudes (tests/kernels/test_norm.py), relative 1.4e-2 for one fp32 pass, 1.9e-6 with rows of
+# 16384, 3.9e-7 with 4096, 3.7e-8 with 1024 (the fp32 result's own rounding is up to 6e-8), and
+# rows of 1024 cost no more time than the single pass (~10 ms on 2 cores).
+NORM_CHUNK_NUMEL = 1 << 10
+
+
+def _sqnorm_fp64(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Sum of squares of all elements as a 0-d fp64 tensor, see [Note: accurate norms]."""
+    small: list[torch.Tensor] = []  # whole tensors and tails, each at most one row
+    rows: list[torch.Tensor] = []  # per-row norms of the large tensors
+    for tensor in tensors:
+        flat = tensor.reshape(-1)
+        if flat.dtype != torch.float32:
+            flat = flat.float()
+        full = flat.numel() // NORM_CHUNK_NUMEL * NORM_CHUNK_NUMEL
+        if full:
+            rows.append(torch.linalg.vector_norm(flat[:full].view(-1, NORM_CHUNK_NUMEL), dim=1))
+        if full < flat.numel():
+            small.append(flat[full:])
+    if small:
+        rows.append(torch.stack(torch._foreach_norm(small)))
+    if not rows:  # only empty tensors
+        return torch.zeros((), dtype=torch.float64)
+    return torch.cat(rows).double().square().sum()
+
+
 def nonfinite_and_sqnorm_cpu(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference's result in one pass over the data in the usual case.
 
     An inf or nan element always makes the sum of squares non-finite, so a finite sum proves
     there is none; only a non-finite sum (a real overflow, or finite values near 1e20 whose squares
     overflow fp32) pays for the separate element-wise scan the reference does."""
-    norms = torch._foreach_norm([t if t.dtype == torch.float32 else t.float() for t in tensors])
-    sqnorm = torch.stack(norms).square().sum()
+    sqnorm = _sqnorm_fp64(tensors).float()
     if torch.isfinite(sqnorm):
         return torch.zeros((), dtype=torch.bool), sqnorm
     found = torch.zeros((), dtype=torch.bool)

@@ -2,7 +2,8 @@
 
 One launch per dtype group: each program strides over every tensor of the group (pointers from
 a table) and writes one fp32 partial sum and one flag; a final torch reduction over the few
-partials gives the 0-d results. Partials, not atomics, so the sum is deterministic run to run.
+partials (in fp64, rounded once to fp32) gives the 0-d results. Partials, not atomics, so the
+sum is deterministic run to run.
 """
 
 from __future__ import annotations
@@ -76,4 +77,5 @@ def nonfinite_and_sqnorm_triton(tensors: Sequence[torch.Tensor], *, interpret: b
             BLOCK_SIZE=BLOCK_SIZE, num_warps=NUM_WARPS, enable_fp_fusion=False,
         )
         first += programs
-    return flags.any(), partials.sum()
+    # The few partials are summed in fp64 and rounded once, as the reference does.
+    return flags.any(), partials.sum(dtype=torch.float64).float()
