@@ -409,7 +409,9 @@ def test_frozen_groups_are_saved_for_export(runs):
 def _assert_continues(resumed: dict[str, Any], reference: dict[str, Any]) -> None:
     assert resumed["global_steps"] == STEPS
     assert resumed["losses"] == pytest.approx(reference["losses"][SAVE_AT:], abs=FP32_ATOL)
-    diff = max(abs(a - b) for n in reference["params"] for a, b in zip(resumed["params"][n], reference["params"][n]))
+    assert resumed["params"].keys() == reference["params"].keys()
+    diff = max(abs(a - b) for n in reference["params"]
+               for a, b in zip(resumed["params"][n], reference["params"][n], strict=True))
     assert diff <= FP32_ATOL
 
 

@@ -125,7 +125,9 @@ def test_communication_data_type_bf16_halves_bytes_and_stays_close(results):
     rs = r["comm"]["reduce_scatter"]
     assert rs["bytes"] == 2 * rs["numel"]  # bf16 on the wire
     reference = S.train_reference(S.scenario("llama", 2), world=2)
-    mean_losses = [(a + b) / 2 for a, b in zip(results[0]["bf16_comm"]["losses"], results[1]["bf16_comm"]["losses"])]
+    mean_losses = [(a + b) / 2 for a, b in zip(results[0]["bf16_comm"]["losses"], results[1]["bf16_comm"]["losses"],
+                                                 strict=True)]
     assert mean_losses == pytest.approx(reference["losses"], abs=1e-3)
-    diffs = [abs(a - b) for n in reference["params"] for a, b in zip(r["params"][n], reference["params"][n])]
+    assert r["params"].keys() == reference["params"].keys()
+    diffs = [abs(a - b) for n in reference["params"] for a, b in zip(r["params"][n], reference["params"][n], strict=True)]
     assert max(diffs) < 2e-2

@@ -83,10 +83,12 @@ def _pair(runs: list[list[dict[str, Any]]], name: str) -> tuple[list[dict], list
 @pytest.mark.parametrize("name", list(CASES))
 def test_offload_trains_exactly_like_no_offload(runs, name):
     offloaded, baseline = _pair(runs, name)
-    for off, base in zip(offloaded, baseline):
+    for off, base in zip(offloaded, baseline, strict=True):
         flat = [loss for step in off["losses"] for loss in step]
         assert flat == pytest.approx([loss for step in base["losses"] for loss in step], abs=1e-5)
-        worst = max(max(abs(a - b) for a, b in zip(off["params"][n], base["params"][n])) for n in base["params"])
+        assert off["params"].keys() == base["params"].keys()
+        worst = max(max(abs(a - b) for a, b in zip(off["params"][n], base["params"][n], strict=True))
+                    for n in base["params"])
         assert worst <= (1e-5 if CASES[name]["dtype"] == "fp32" else 0.0 + 1e-2)
 
 
@@ -468,7 +470,9 @@ def checkpoint_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, 
 def _continues(resumed: dict[str, Any], reference: dict[str, Any]) -> None:
     assert resumed["steps"] == CKPT_STEPS
     assert resumed["losses"] == pytest.approx(reference["losses"][CKPT_SAVE_AT:], abs=1e-5)
-    worst = max(max(abs(a - b) for a, b in zip(resumed["params"][n], reference["params"][n])) for n in reference["params"])
+    assert resumed["params"].keys() == reference["params"].keys()
+    worst = max(max(abs(a - b) for a, b in zip(resumed["params"][n], reference["params"][n], strict=True))
+                for n in reference["params"])
     assert worst <= 1e-5
 
 

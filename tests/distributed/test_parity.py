@@ -70,7 +70,7 @@ def _mean_losses(results: list[dict[str, Any]], sc: dict[str, Any]) -> list[floa
 
 def _max_param_diff(a: dict[str, list[float]], b: dict[str, list[float]]) -> float:
     assert a.keys() == b.keys()
-    return max(max(abs(x - y) for x, y in zip(a[n], b[n])) for n in a)
+    return max(max(abs(x - y) for x, y in zip(a[n], b[n], strict=True)) for n in a)
 
 
 def _check_parity(runs: tuple[int, list], sc: dict[str, Any], loss_atol: float, param_atol: float) -> None:

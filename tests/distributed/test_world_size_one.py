@@ -24,8 +24,9 @@ def test_world_size_one_in_process_matches_adamw(no_launcher_env, stage):
     reference = S.train_reference(sc, world=1)
     losses = [sum(step) / sc["gas"] for step in result["losses"]]
     assert losses == pytest.approx(reference["losses"], abs=1e-5)
+    assert result["params"].keys() == reference["params"].keys()
     for name, values in reference["params"].items():
-        assert max(abs(a - b) for a, b in zip(result["params"][name], values)) <= 1e-5
+        assert max(abs(a - b) for a, b in zip(result["params"][name], values, strict=True)) <= 1e-5
     assert result["comm_per_step"][-1] == {}  # world size 1: collectives skipped, nothing counted
 
 

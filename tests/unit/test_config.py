@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from hf_zero.config import HfZeroConfig, HfZeroConfigError
+from hf_zero.config import hf_zero_config
 from hf_zero.config import keys as config_keys
 
 # transformers tests/deepspeed/ds_config_zero2.json (the "auto" template from the docs).
@@ -505,13 +506,16 @@ def test_summary_of_unresolved_config_does_not_raise() -> None:
     assert "unresolved" in text and 'still "auto"' in text
 
 
-def test_no_effect_keys_are_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+def test_no_effect_keys_are_logged_once(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    # "Once" is per process: start from a process that has logged nothing yet, as rank 0.
+    monkeypatch.setattr(hf_zero_config, "_LOGGED_NO_EFFECT", set())
+    monkeypatch.delenv("RANK", raising=False)
     config = {"zero_optimization": {"stage": 1, "use_multi_rank_bucket_allreduce": False}}
     with caplog.at_level(logging.INFO, logger="hf_zero"):
         HfZeroConfig(config)
         HfZeroConfig(config)
     lines = [r.getMessage() for r in caplog.records if "use_multi_rank_bucket_allreduce" in r.getMessage()]
-    assert len(lines) <= 1  # 0 when an earlier test in this process already logged it
+    assert len(lines) == 1, lines
     assert HfZeroConfig(config).no_effect_keys() == {"zero_optimization.use_multi_rank_bucket_allreduce": "a speed hint; the math is unchanged"}
 
 

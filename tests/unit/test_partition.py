@@ -72,7 +72,16 @@ def test_parameter_shared_by_two_units_moves_to_root():
     shared = nn.Linear(4, 4)
     model = nn.Sequential(nn.ModuleList([nn.Sequential(shared, nn.ReLU()), nn.Sequential(shared)]))
     plan = plan_units(model)
-    assert all(not u.params for u in plan.units[:-1]) or len(plan.units) == 1
+    # Both blocks own nothing else, so they are no units at all: the root holds the shared layer.
+    assert [u.name for u in plan.units] == ["<root>"] and plan.units[-1] is plan.root
+    assert {id(p) for _, p in plan.root.params} == {id(shared.weight), id(shared.bias)}
+    # Blocks with parameters of their own stay units, each without the shared layer.
+    own = [nn.Linear(4, 4), nn.Linear(4, 4)]
+    model = nn.Sequential(nn.ModuleList([nn.Sequential(shared, own[0]), nn.Sequential(shared, own[1])]))
+    plan = plan_units(model)
+    assert [u.name for u in plan.units] == ["0.0", "0.1", "<root>"]
+    for unit, layer in zip(plan.units[:-1], own, strict=True):
+        assert {id(p) for _, p in unit.params} == {id(layer.weight), id(layer.bias)}
     assert {id(p) for _, p in plan.root.params} == {id(shared.weight), id(shared.bias)}
 
 

@@ -17,10 +17,15 @@ CONFIG_REFERENCE = REPO / "docs" / "config-reference.md"
 
 def test_config_reference_is_the_generated_one():
     text = CONFIG_REFERENCE.read_text()
-    assert reference_markdown(compact=True).strip() in text, (
+    generated = reference_markdown(compact=True).strip()
+    generated_rows = [line for line in generated.splitlines() if line.startswith("| `")]
+    assert len(generated_rows) > 100, "reference_markdown() lost its key tables"  # an empty string is "in" any text
+    assert generated in text, (
         "docs/config-reference.md is stale: paste the output of "
         "python -c 'from hf_zero.config import reference_markdown; print(reference_markdown(compact=True))'"
     )
+    # ... and nothing else: no key row outside the pasted block (a stale leftover, a hand-written one).
+    assert [line for line in text.splitlines() if line.startswith("| `")] == generated_rows
 
 
 def test_config_reference_names_every_config_key_in_a_table_row():
