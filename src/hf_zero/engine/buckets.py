@@ -115,10 +115,11 @@ class ReduceSchedule:
     """
 
     def __init__(self, groups_in_order: list[tuple[ZeroUnit, FlatParamGroup]], bucket_numel: int) -> None:
-        self.buckets: list[list[tuple[ZeroUnit, FlatParamGroup]]] = []
-        for group_bucket in split_buckets([g for _, g in groups_in_order], bucket_numel):
-            owners = {id(g): u for u, g in groups_in_order}
-            self.buckets.append([(owners[id(g)], g) for g in group_bucket])
+        owners = {id(g): u for u, g in groups_in_order}
+        self.buckets: list[list[tuple[ZeroUnit, FlatParamGroup]]] = [
+            [(owners[id(g)], g) for g in bucket]
+            for bucket in split_buckets([g for _, g in groups_in_order], bucket_numel)
+        ]
         self.next = 0  # the first bucket not yet reduced in this backward
 
     def reset(self) -> None:

@@ -28,7 +28,7 @@ from hf_zero.engine.param_source import ParamSource
 from hf_zero.engine.sharded_param import mark_gathered, mark_sharded
 from hf_zero.offload import NvmeShard, OffloadSettings
 from hf_zero.offload.shard_store import DeviceShard, HostShard, ShardStore
-from hf_zero.transfer import copy_to_host_, to_host
+from hf_zero.transfer import to_host, to_host_copy
 from hf_zero.partition import FlatLayout, build_flat_layout
 
 
@@ -377,9 +377,7 @@ class FlatParamGroup:
         gradient shard: micro-steps of an accumulation add up there."""
         shard = self._ensure_grad_shard()
         if shard.device != reduced.device:  # into a host gradient shard: the copy must land first
-            landed = torch.empty(reduced.shape, dtype=reduced.dtype, device=shard.device)
-            copy_to_host_(landed, reduced)
-            reduced = landed
+            reduced = to_host_copy(reduced)
         shard.add_(reduced)
 
     def release_grads(self) -> None:

@@ -387,7 +387,7 @@ class UnitProtocol:
             if self.is_boundary():
                 for unit in self.backward_order + [self.root]:
                     if unit.trainable_params:
-                        self._timed("reduce", self._reduce_unit_stage0, unit)
+                        self._timed("reduce", unit.reduce_grads, self.reduce_dtype)
         elif self.stage >= 2 or self.is_boundary():
             for bucket in self.reductions.remaining():
                 self._timed("reduce", self._launch, bucket)
@@ -397,10 +397,6 @@ class UnitProtocol:
                 unit.reshard()
             unit.reset_backward_state()
         self.backward_open = False
-
-    def _reduce_unit_stage0(self, unit: ZeroUnit) -> None:
-        for group in unit.groups:
-            group.reduce_grads(self.reduce_dtype)
 
     def _maybe_release(self, unit: ZeroUnit) -> None:
         """Free a stage-3 unit once its backward is done: [Note: releasing a unit in backward]."""

@@ -165,11 +165,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         from hf_zero.kernels import nonfinite_and_sqnorm
 
         terms = torch.zeros(2, dtype=torch.float32, device=self.device)
-        on_host = [g.grad_shard for g in self.groups if g.grad_shard is not None and is_host_store(g.grad_shard)]
-        on_device = [g.grad_shard for g in self.groups if g.grad_shard is not None and not is_host_store(g.grad_shard)]
-        for shards, host in ((on_device, False), (on_host, True)):
-            if shards:
-                found, sqnorm = nonfinite_and_sqnorm(shards)
+        shards = self._grad_shards()
+        for host in (False, True):
+            group_shards = [s for s in shards if is_host_store(s) == host]
+            if group_shards:
+                found, sqnorm = nonfinite_and_sqnorm(group_shards)
                 part = torch.stack([sqnorm.float(), found.float()])
                 terms += to_compute(mark_host(part), self.device) if host else part
         return terms
@@ -240,7 +240,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     shard.mul_(factor)
             self.inner.step()
         for group in self.groups:
-            if group.master is None or group.master.grad is not None or group.nvme_index is not None:
+            if group.used_in_step:  # an unused group's master did not change
                 self._refresh_compute_copy(group)
 
     def _refresh_compute_copy(self, group: FlatParamGroup) -> None:

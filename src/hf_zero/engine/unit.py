@@ -127,17 +127,16 @@ class ZeroUnit:
         """Whether the sharded groups are gathered or being gathered."""
         return bool(self.sharded_numel) and self.param_state is not ParamState.SHARDED
 
-    def unshard(self, async_op: bool = False) -> bool:
-        """Start gathering (``async_op``) or gather. Returns True if a collective was issued:
-        nothing is issued unless the unit is SHARDED."""
+    def unshard(self, async_op: bool = False) -> None:
+        """Start gathering (``async_op``) or gather; no collective is issued unless the unit is
+        SHARDED."""
         if self.param_state is not ParamState.SHARDED:
             if not async_op:
                 self.wait_unshard()
-            return False
+            return
         self._move_params(ParamState.GATHERING if async_op else ParamState.GATHERED)
         for group in self.groups:
             group.unshard(async_op=async_op)
-        return True
 
     def wait_unshard(self) -> None:
         if self.param_state is ParamState.GATHERING:
@@ -169,6 +168,12 @@ class ZeroUnit:
     def prepare_grads(self) -> None:
         for group in self.groups:
             group.prepare_grads()
+
+    def reduce_grads(self, reduce_dtype: torch.dtype) -> None:
+        """Reduce every group now, one collective each (stage 0's all-reduce; the other stages
+        reduce through buckets, see hf_zero.engine.buckets)."""
+        for group in self.groups:
+            group.reduce_grads(reduce_dtype)
 
     def reset_backward_state(self) -> None:
         self.grad_state = GradState.IDLE
