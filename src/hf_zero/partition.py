@@ -15,6 +15,17 @@ and finally the model as a single unit. Parameters not inside any unit form the 
 which is the model itself. A parameter belongs to exactly one unit, by object identity, so tied
 weights are stored once; a parameter reachable from two different units moves to the root unit,
 whose full parameters are live for the whole forward and backward.
+
+[Note: edge units]
+Outside the blocks, a causal LM holds its largest tensors: the input embedding and the untied
+output projection are each vocab x hidden (at Llama-3 shapes 525M elements, at 70B over a
+billion each). Left in the root they would be gathered for the whole forward and backward, and
+their size alone would exhaust ``stage3_max_live_parameters``, refusing every prefetch and every
+reuse. So the modules Transformers names through ``get_input_embeddings()`` and
+``get_output_embeddings()`` become units of their own, placed first and last in the unit order,
+which is where they run. A tied pair is one tensor reachable from both modules: it stays in the
+root (stored once), so for tied models only the untied parts move. Embeddings inside a block, or
+a model that is one unit, are left as they are.
 """
 
 from __future__ import annotations
@@ -174,9 +185,39 @@ def choose_unit_modules(
     return [], "the whole model as one unit (no _no_split_modules and no nn.ModuleList)"
 
 
+def _edge_module(model: nn.Module, getter: str, inside: list[tuple[str, nn.Module]]) -> tuple[str, nn.Module] | None:
+    """The module ``model.<getter>()`` returns (Transformers' input/output embedding accessors),
+    with its name, when it can be a unit of its own: see [Note: edge units]."""
+    accessor = getattr(model, getter, None)
+    if accessor is None:
+        return None
+    try:
+        module = accessor()
+    except (AttributeError, NotImplementedError):  # models without embeddings raise here
+        return None
+    if not isinstance(module, nn.Module) or module is model or not any(True for _ in module.parameters()):
+        return None
+    name = next((n for n, m in model.named_modules() if m is module), None)
+    if name is None or any(m is module or name.startswith(prefix + ".") for prefix, m in inside):
+        return None
+    return name, module
+
+
+def _with_edge_units(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """``blocks`` with the input embedding first and the output projection last."""
+    if not blocks:
+        return blocks
+    first = _edge_module(model, "get_input_embeddings", blocks)
+    last = _edge_module(model, "get_output_embeddings", blocks)
+    if first is not None and last is not None and first[1] is last[1]:
+        last = None
+    return ([first] if first else []) + blocks + ([last] if last else [])
+
+
 def plan_units(model: nn.Module, wrap_modules: Sequence[str] | None = None) -> UnitPlan:
     """Cut ``model`` into units and assign every parameter to exactly one of them."""
     unit_modules, rule = choose_unit_modules(model, wrap_modules)
+    unit_modules = _with_edge_units(model, unit_modules)
     owners: dict[int, set[int]] = {}  # id(param) -> indices of the units that reach it
     for index, (_, module) in enumerate(unit_modules):
         for param in module.parameters():

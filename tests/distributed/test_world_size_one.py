@@ -145,11 +145,17 @@ def test_stage3_parameter_read_outside_forward_names_it(no_launcher_env):
     assert head.shape == (97, 16) and head.requires_grad  # metadata needs no gather
     with pytest.raises(RuntimeError, match=r"'lm_head.weight' is sharded by ZeRO stage 3.*gathered_parameters"):
         head.sum()
-    with pytest.raises(RuntimeError, match=r"'model.embed_tokens.weight'"):
-        engine.module.get_input_embeddings()(ids)
-    with engine.gathered_parameters([head]):
+    # The input embedding is a unit of its own ([Note: edge units]): called directly, as scripts
+    # do to build inputs_embeds, it is gathered where it runs and released after.
+    embedding = engine.module.get_input_embeddings()
+    with torch.no_grad():
+        embedded = embedding(ids)
+    with pytest.raises(RuntimeError, match=r"'model.embed_tokens.weight' is sharded"):
+        embedding.weight.sum()
+    with engine.gathered_parameters([head, embedding.weight]):
         total = float(head.detach().sum())
         assert type(head) is torch.nn.Parameter
+        assert torch.equal(embedded, torch.nn.functional.embedding(ids, embedding.weight.detach()))
     assert total != 0.0
     engine.backward(S.model_loss(engine, "llama", ids))  # training goes on unaffected
     engine.step()

@@ -32,14 +32,48 @@ def test_flat_layout_offsets_and_shards():
         layout.shard_range(3)
 
 
-@pytest.mark.parametrize("builder, unit_class, count", [
-    (tiny_gpt2, "GPT2Block", 2), (tiny_llama, "LlamaDecoderLayer", 2)])
-def test_units_from_no_split_modules(builder, unit_class, count):
+@pytest.mark.parametrize("builder, unit_classes", [
+    # GPT-2 ties wte and lm_head: the one tensor stays in the root (see [Note: edge units]).
+    (tiny_gpt2, ["GPT2Block"] * 2),
+    # tiny_llama is untied: the embedding and the output projection are units of their own.
+    (tiny_llama, ["Embedding", "LlamaDecoderLayer", "LlamaDecoderLayer", "Linear"])])
+def test_units_from_no_split_modules(builder, unit_classes):
     model = builder()
     plan = plan_units(model)
     assert "_no_split_modules" in plan.rule
-    assert [type(u.module).__name__ for u in plan.units[:-1]] == [unit_class] * count
+    assert [type(u.module).__name__ for u in plan.units[:-1]] == unit_classes
     assert plan.root.name == ROOT_UNIT_NAME and plan.root.module is model
+
+
+def _meta_llama(**shape) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.device("meta"):
+        return LlamaForCausalLM(LlamaConfig(**shape))
+
+
+def test_llama3_shape_embeddings_and_lm_head_are_units_of_their_own():
+    """Llama-3-8B's shape (built on the meta device: no memory): a root holding the 525M-element
+    embedding and lm_head would alone exceed stage3_max_live_parameters' default of 1e9."""
+    vocab, hidden, layers = 128256, 4096, 32
+    model = _meta_llama(vocab_size=vocab, hidden_size=hidden, intermediate_size=14336,
+                        num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8,
+                        tie_word_embeddings=False)
+    plan = plan_units(model)
+    names = [u.name for u in plan.units]
+    assert names[0] == "model.embed_tokens" and names[-2] == "lm_head"
+    assert names[1:-2] == [f"model.layers.{i}" for i in range(layers)]
+    assert plan.units[0].numel == plan.units[-2].numel == vocab * hidden
+    # Only the final norm is left in the root.
+    assert [n for n, _ in plan.root.params] == ["model.norm.weight"] and plan.root.numel == hidden
+
+
+def test_tied_embeddings_stay_in_the_root_once():
+    model = _meta_llama(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
+                        num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
+    plan = plan_units(model)
+    assert [u.name for u in plan.units] == ["model.layers.0", "model.layers.1", ROOT_UNIT_NAME]
+    assert sorted(n for n, _ in plan.root.params) == ["model.embed_tokens.weight", "model.norm.weight"]
 
 
 def test_bert_falls_back_to_the_layer_stack():
@@ -47,7 +81,8 @@ def test_bert_falls_back_to_the_layer_stack():
     model._no_split_modules = None  # as BERT ships in some transformers versions
     plan = plan_units(model)
     assert "ModuleList" in plan.rule
-    assert [u.name for u in plan.units[:-1]] == ["bert.encoder.layer.0", "bert.encoder.layer.1"]
+    assert [u.name for u in plan.units[:-1]] == [
+        "bert.embeddings.word_embeddings", "bert.encoder.layer.0", "bert.encoder.layer.1"]
 
 
 def test_every_parameter_in_exactly_one_unit_and_tied_weights_once():
@@ -63,7 +98,8 @@ def test_every_parameter_in_exactly_one_unit_and_tied_weights_once():
 def test_wrap_modules_override_and_error():
     model = tiny_llama()
     plan = plan_units(model, wrap_modules=["LlamaMLP"])
-    assert [u.name for u in plan.units[:-1]] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    assert [u.name for u in plan.units[:-1]] == [
+        "model.embed_tokens", "model.layers.0.mlp", "model.layers.1.mlp", "lm_head"]
     with pytest.raises(ValueError, match="matches no module.*LlamaDecoderLayer"):
         plan_units(model, wrap_modules=["NoSuchBlock"])
 
