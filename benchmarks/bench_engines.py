@@ -16,6 +16,7 @@ against DDP's; appends JSONL rows to ``results/bench_engines.jsonl``.
     python benchmarks/bench_engines.py --engines hf_zero3,ds3 --zero stage3_max_reuse_distance=0
     python benchmarks/bench_engines.py --engines hf_zero3 --profile /tmp/traces
     python benchmarks/bench_engines.py --device cuda                     # NCCL, bf16, bigger model
+    python benchmarks/bench_engines.py --sizes small,medium,smollm2      # three sizes, a scaling table
 
 Engines: hf_zero1 hf_zero2 hf_zero3 ddp fsdp2 ds1 ds2 ds3 nocomm (groups: all, hf_zero, torch, ds).
 ``nocomm`` is the compute floor: each rank trains alone with no collective (its loss is not
@@ -77,6 +78,13 @@ GROUPS = {
 CPU_DEFAULTS = dict(n_layer=4, n_embd=256, vocab=8192, seq=128, micro_batch=4, dtype="fp32")
 CUDA_DEFAULTS = dict(n_layer=12, n_embd=768, vocab=32768, seq=1024, micro_batch=8, dtype="bf16")
 LOSS_TOL = {"fp32": 1e-4, "bf16": 5e-2}
+# ``--sizes``: named model shapes (GPT-2 blocks, tied embeddings). ``smollm2`` has the shape of
+# SmolLM2-135M (30 layers, hidden 576, vocab 49152, tied); GPT-2's 4x MLP makes it 147M parameters.
+SIZES = {
+    "small": dict(n_layer=4, n_embd=256, vocab=8192),
+    "medium": dict(n_layer=8, n_embd=512, vocab=8192),
+    "smollm2": dict(n_layer=30, n_embd=576, vocab=49152),
+}
 MIB = 2**20
 
 
@@ -93,6 +101,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("n-layer", "n-embd", "vocab", "seq", "micro-batch"):
         p.add_argument(f"--{name}", type=int, default=None, help="model/batch size (defaults depend on --device)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default=None, help="CPU default fp32, CUDA bf16")
+    p.add_argument("--sizes", default=None, metavar="NAMES",
+                   help=f"comma list of model sizes run one after the other, then a scaling table: names "
+                        f"({', '.join(f'{k}: {v}' for k, v in SIZES.items())}) or LAYERSxHIDDENxVOCAB; "
+                        "overrides --n-layer/--n-embd/--vocab")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--overlap", choices=["auto", "on", "off", "both"], default="auto",
                    help="hf_zero zero_optimization.overlap_comm (auto: leave it unset; both: run each)")
@@ -130,11 +142,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         problems.append(f"--steps {args.steps} must exceed --warmup {args.warmup}")
     if args.repeats < 1:
         problems.append(f"--repeats must be >= 1, found {args.repeats}")
+    if args.sizes is not None:
+        try:
+            args.sizes = {name: size_of(name) for name in args.sizes.split(",")}
+        except ValueError as exc:
+            problems.append(str(exc))
     if args.device == "cuda" and not torch.cuda.is_available():
         problems.append("--device cuda but torch sees no CUDA device; run on a GPU machine or use --device cpu")
     if problems:
         p.error("; ".join(problems))
     return args
+
+
+def size_of(name: str) -> dict[str, int]:
+    """A ``--sizes`` entry: a name from SIZES or LAYERSxHIDDENxVOCAB."""
+    if name in SIZES:
+        return SIZES[name]
+    parts = name.split("x")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"--sizes: {name!r} is neither a size name ({', '.join(SIZES)}) nor LAYERSxHIDDENxVOCAB")
+    return dict(zip(("n_layer", "n_embd", "vocab"), map(int, parts)))
 
 
 def zero_extra(items: list[str]) -> dict[str, Any]:
@@ -616,8 +643,42 @@ def finish_rows(rows: dict[str, dict[str, Any]], variants_: list[Variant], args:
     return out
 
 
+def scaling_table(by_size: dict[str, tuple[int, dict[str, dict[str, Any]]]]) -> str:
+    """hf_zero's ratios to DeepSpeed at the same stage and to FSDP2, one row per (size, stage)."""
+    headers = ["size", "Ψ", "engine", "step ×DS", "step ×FSDP2", "peak mem ×DS", "peak mem ×FSDP2",
+               "model states ×formula", "comm ×formula"]
+    body = []
+    for size, (psi, rows) in by_size.items():
+        for label, row in rows.items():
+            if not label.startswith("hf_zero") or not row.get("ok"):
+                continue
+            r = row["ratios"]
+            body.append([size, f"{psi / 1e6:.1f}M", label, _x(r["step_time_vs_deepspeed"]), _x(r["step_time_vs_fsdp2"]),
+                         _x(r["peak_rss_vs_deepspeed"]), _x(r["peak_rss_vs_fsdp2"]), _x(r["model_state_vs_formula"]),
+                         _x(r["comm_vs_formula"])])
+    return markdown_table(headers, body)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.sizes is None:
+        return run_size(args)[0]
+    by_size: dict[str, tuple[int, dict[str, dict[str, Any]]]] = {}
+    worst = 0
+    for size, shape in args.sizes.items():
+        for key, value in shape.items():
+            setattr(args, key, value)
+        print(f"\n# size {size}: {shape}", flush=True)
+        code, psi, rows = run_size(args)
+        by_size[size] = (psi, rows)
+        worst = max(worst, code)
+    print("\n## Scaling: hf_zero against DeepSpeed (same stage) and FSDP2, per size\n")
+    print(scaling_table(by_size))
+    return worst
+
+
+def run_size(args: argparse.Namespace) -> tuple[int, int, dict[str, dict[str, Any]]]:
+    """One benchmark at the size in ``args``: the tables, the JSONL rows; (exit code, Ψ, rows)."""
     workload = workload_of(args)
     variants_ = variants(select_engines(args.engines), args)
     psi = count_params(build_model(workload))
@@ -664,7 +725,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nFAILED: {', '.join(failed)} (logs kept under {work_dir})")
     if not mismatched and not failed:
         shutil.rmtree(work_dir, ignore_errors=True)
-    return 2 if mismatched else (1 if failed else 0)
+    return (2 if mismatched else (1 if failed else 0)), psi, rows
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""benchmarks/bench_engines.py end to end on a tiny model: two real torchrun jobs (hf_zero stage 3
-and DDP, 2 ranks each, gloo), 3 steps, JSONL rows checked. DeepSpeed is left out (a
+"""benchmarks/bench_engines.py end to end on tiny models: real torchrun jobs (hf_zero stage 3 and
+DDP, 2 ranks each, gloo) at two ``--sizes``, 3 steps, JSONL rows and the scaling table checked. DeepSpeed is left out (a
 benchmark-only dependency that CI does not install)."""
 
 from __future__ import annotations
@@ -12,18 +12,39 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ["--n-layer", "1", "--n-embd", "64", "--vocab", "256", "--seq", "16", "--micro-batch", "2"]
+TINY = ["--seq", "16", "--micro-batch", "2"]
 
 
 @pytest.fixture(scope="module")
-def rows(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict]]:
     out = tmp_path_factory.mktemp("bench") / "rows.jsonl"
     command = [sys.executable, str(ROOT / "benchmarks" / "bench_engines.py"), "--engines", "hf_zero3,ddp",
-               "--steps", "3", "--warmup", "1", *TINY, "--out", str(out), "--timeout", "240"]
+               "--steps", "3", "--warmup", "1", *TINY, "--sizes", "1x64x256,2x64x128", "--out", str(out),
+               "--timeout", "240"]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     assert "## Results" in proc.stdout and "| hf_zero3 |" in proc.stdout
-    return [json.loads(line) for line in out.read_text().splitlines()]
+    return proc.stdout, [json.loads(line) for line in out.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def rows(run: tuple[str, list[dict]]) -> list[dict]:
+    """The rows of the first size."""
+    return run[1][:2]
+
+
+def test_sizes_give_a_scaling_row_per_size(run: tuple[str, list[dict]]) -> None:
+    """``--sizes`` runs every engine at each size, then one table of hf_zero's ratios per size."""
+    stdout, all_rows = run
+    assert [(r["engine"], r["workload"]["n_layer"], r["workload"]["vocab"]) for r in all_rows] == [
+        ("hf_zero3", 1, 256), ("ddp", 1, 256), ("hf_zero3", 2, 128), ("ddp", 2, 128)]
+    table = stdout.split("## Scaling")[1].splitlines()
+    scaling = [line for line in table if line.startswith(("| 1x64x256", "| 2x64x128"))]
+    assert len(scaling) == 2 and all("| hf_zero3 |" in line for line in scaling)
+    for line, row in zip(scaling, all_rows[0::2], strict=True):
+        cells = [c.strip() for c in line.split("|")[1:-1]]
+        assert cells[1] == f"{row['params'] / 1e6:.1f}M"
+        assert cells[7] == f"{row['ratios']['model_state_vs_formula']:.2f}"
 
 
 def test_one_valid_row_per_engine(rows: list[dict]) -> None:
@@ -62,3 +83,4 @@ def test_counting_is_consistent(rows: list[dict]) -> None:
     # DDP holds params + grads + two Adam moments of every parameter (+ step counters).
     assert 16 * psi <= ddp["model_state_bytes_per_rank"][0] <= 16 * psi + 4096
     assert rows[0]["ratios"]["model_state_vs_fsdp2"] is None  # no FSDP2 in this run
+
