@@ -17,6 +17,7 @@ against DDP's; appends JSONL rows to ``results/bench_engines.jsonl``.
     python benchmarks/bench_engines.py --engines hf_zero3 --profile /tmp/traces
     python benchmarks/bench_engines.py --device cuda                     # NCCL, bf16, bigger model
     python benchmarks/bench_engines.py --sizes small,medium,smollm2      # three sizes, a scaling table
+    python benchmarks/bench_engines.py --engines hf_zero3,fsdp2 --compile inductor  # eager vs compiled units
 
 Engines: hf_zero1 hf_zero2 hf_zero3 ddp fsdp2 ds1 ds2 ds3 nocomm (groups: all, hf_zero, torch, ds).
 ``nocomm`` is the compute floor: each rank trains alone with no collective (its loss is not
@@ -108,6 +109,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--overlap", choices=["auto", "on", "off", "both"], default="auto",
                    help="hf_zero zero_optimization.overlap_comm (auto: leave it unset; both: run each)")
+    p.add_argument("--compile", default=None, metavar="BACKEND",
+                   help="also run each hf_zero engine with engine.compile(backend=BACKEND) (each unit's forward "
+                        "under torch.compile), labelled hf_zeroN/compiled; the warm-up steps take the compilation")
     p.add_argument("--persistence-threshold", type=int, default=None,
                    help="stage3_param_persistence_threshold for hf_zero and DeepSpeed alike (default theirs: 1e5)")
     p.add_argument("--zero", action="append", default=[], metavar="KEY=VALUE",
@@ -234,6 +238,8 @@ def variants(engines: list[str], args: argparse.Namespace) -> list[Variant]:
         if family == "hf_zero" and args.overlap in ("on", "off"):
             options["overlap"] = args.overlap
         out.append(Variant(engine, engine, options))
+        if family == "hf_zero" and args.compile:
+            out.append(Variant(f"{engine}/compiled", engine, {**options, "compile": args.compile}))
     return out
 
 

@@ -66,6 +66,8 @@ class HfZeroRunner(Runner):
         self.offloaded = bool(offload_sections(options))
         model = build_model(workload)
         self.engine, _, _, _ = hf_zero.initialize(model=model, config=self.config)
+        if options.get("compile"):  # bench_engines --compile BACKEND: [Note: compiled units]
+            self.engine.compile(backend=options["compile"])
 
     def forward_backward(self, batch: torch.Tensor) -> torch.Tensor:
         loss = self.engine(input_ids=batch, labels=batch).loss

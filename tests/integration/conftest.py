@@ -117,6 +117,10 @@ def _plan(model_dirs: dict[str, str], root: Path) -> dict[str, Any]:
                          "argv": script_args(kind, model_dirs[kind], out(f"{kind}-z{stage}"))})
     jobs.append({"name": "llama-z3-ckpt", "kind": "script", "zero_config": configs[3],
                  "argv": script_args("llama", model_dirs["llama"], out("llama-z3-ckpt"), "--gradient_checkpointing")})
+    # The Trainer's torch_compile: each unit's forward compiled ([Note: compiled units]).
+    jobs.append({"name": "llama-z3-compile", "kind": "script", "zero_config": configs[3],
+                 "argv": script_args("llama", model_dirs["llama"], out("llama-z3-compile"),
+                                     "--torch_compile_backend", "aot_eager")})
     sections = write_config(root / "zero2-sections.json", 2, optimizer={
         "type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
         scheduler={"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import runpy
 import sys
@@ -46,10 +47,26 @@ def log_history(output_dir: str) -> dict[str, Any]:
             "learning_rate": [h["learning_rate"] for h in steps], "step": [h["step"] for h in steps]}
 
 
+class _CompiledUnits(logging.Handler):
+    """Counts the units ``engine.compile()`` reports compiling (its INFO line)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.msg.startswith("hf_zero: compiled the forward of"):
+            self.count += record.args[0]
+
+
 def run_script(job: dict[str, Any]) -> dict[str, Any]:
     """The example script, as ``python -m hf_zero.run SCRIPT --zero_config ...`` or plain."""
     argv = list(job["argv"])
     os.environ.pop(CONFIG_ENV, None)
+    compiled, hf_zero_logger = _CompiledUnits(), logging.getLogger("hf_zero")
+    level = hf_zero_logger.level
+    hf_zero_logger.addHandler(compiled)
+    hf_zero_logger.setLevel(min(level or logging.INFO, logging.INFO))
     if job.get("zero_config"):
         from hf_zero import run
 
@@ -61,8 +78,10 @@ def run_script(job: dict[str, Any]) -> dict[str, Any]:
         disable()
         sys.argv = [SCRIPT, *argv]
         runpy.run_path(SCRIPT, run_name="__main__")
+    hf_zero_logger.removeHandler(compiled)
+    hf_zero_logger.setLevel(level)
     output_dir = argv[argv.index("--output_dir") + 1]
-    result: dict[str, Any] = {"output_dir": output_dir}
+    result: dict[str, Any] = {"output_dir": output_dir, "compiled_units": compiled.count}
     if "--do_train" in argv:
         result.update(log_history(output_dir))
     metrics_file = os.path.join(output_dir, "eval_results.json")

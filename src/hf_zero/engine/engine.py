@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from hf_zero.comm import Communicator
+from hf_zero.engine.compiled_units import compile_units, is_compiled, training_without_cache
 from hf_zero.engine.hooks import UnitProtocol
 from hf_zero.engine.memory import format_memory_table, memory_report
 from hf_zero.engine.optimizer import ZeroOptimizer
@@ -58,6 +59,7 @@ class ZeroEngine(nn.Module):
         self._last_backward_end_s: float | None = None
         self._last_loss: torch.Tensor | None = None
         self._window_start = time.perf_counter()
+        self._cache_hook = None  # set by compile(): see [Note: compiled units]
         # wall_clock_breakdown: None when off, so the hot path makes no timer calls at all.
         self._timers = PhaseTimers(device) if config.wall_clock_breakdown else None
         self.protocol = UnitProtocol(
@@ -206,6 +208,22 @@ class ZeroEngine(nn.Module):
         if breakdown is not None:
             line += f" | per step: {breakdown}"
         logger.info("hf_zero: %s", line)
+
+    # ------------------------------------------------------------------ torch.compile
+    def compile(self, backend: str = "inductor", compile_kwargs: dict[str, Any] | None = None) -> None:
+        """``torch.compile`` each unit's forward, as DeepSpeed's ``engine.compile()`` is called;
+        see [Note: compiled units]. ``compile_kwargs`` go to ``torch.compile`` (``mode``,
+        ``dynamic``, ``fullgraph``, ``options``)."""
+        kwargs = dict(compile_kwargs or {})
+        kwargs.pop("backend", None)
+        count = compile_units([u.module for u in self.units[:-1]], backend, kwargs)
+        if count and self._cache_hook is None:
+            self._cache_hook = training_without_cache(self.module)
+        logger.info("hf_zero: compiled the forward of %d units with backend %s", count, backend)
+
+    @property
+    def is_compiled(self) -> bool:
+        return len(self.units) > 1 and all(is_compiled(u.module) for u in self.units[:-1])
 
     def was_step_applied(self) -> bool:
         return self._step_applied

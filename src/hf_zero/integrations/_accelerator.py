@@ -35,6 +35,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.scheduler import AcceleratedScheduler
+from accelerate.utils import DynamoBackend
 # accelerate.utils exports these only when deepspeed is installed; the module defines them always.
 from accelerate.utils.deepspeed import DummyOptim, DummyScheduler
 from torch import nn
@@ -207,7 +208,17 @@ class HfZeroAccelerator(Accelerator):
             model=model, config=config, optimizer=torch_optimizer, lr_scheduler=lr_scheduler
         )
         attach_engine(engine)
+        self._compile_units(engine)
         return self._track(engine)
+
+    def _compile_units(self, engine: ZeroEngine) -> None:
+        """Accelerate's dynamo plugin (the Trainer's ``torch_compile``) compiles each unit's
+        forward, never the whole engine: see [Note: compiled units]."""
+        plugin = self.state.dynamo_plugin
+        if plugin is None or plugin.backend == DynamoBackend.NO:
+            return
+        kwargs = plugin.to_kwargs()
+        engine.compile(backend=kwargs.pop("backend", plugin.backend.value.lower()), compile_kwargs=kwargs)
 
     def _track(self, engine: ZeroEngine) -> ZeroEngine:
         self.hf_zero_engine = engine

@@ -209,7 +209,6 @@ def _check_supported(args: TrainingArguments) -> None:
         )
     unsupported = {
         "auto_find_batch_size": "auto_find_batch_size with --zero_config",
-        "torch_compile": "torch_compile with --zero_config",
     }
     for name, what in unsupported.items():
         if getattr(args, name, False):
