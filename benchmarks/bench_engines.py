@@ -107,6 +107,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         f"({', '.join(f'{k}: {v}' for k, v in SIZES.items())}) or LAYERSxHIDDENxVOCAB; "
                         "overrides --n-layer/--n-embd/--vocab")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="dense peak TFLOP/s of one device for MFU (CUDA default: 989, H100 SXM bf16; "
+                        "CPU: none, MFU not shown)")
     p.add_argument("--overlap", choices=["auto", "on", "off", "both"], default="auto",
                    help="hf_zero zero_optimization.overlap_comm (auto: leave it unset; both: run each)")
     p.add_argument("--compile", default=None, metavar="BACKEND",
@@ -139,6 +142,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.peak_tflops is None and args.device == "cuda":
+        args.peak_tflops = 989.0
     if args.nproc is None:
         args.nproc = max(1, torch.cuda.device_count()) if args.device == "cuda" else 2
     problems = []
@@ -464,6 +469,17 @@ def add_comparisons(rows: dict[str, dict[str, Any]], variants_: list[Variant], p
         row.update(loss_max_abs_diff_vs_ddp=diff, loss_tolerance=loss_tol, loss_match=diff <= loss_tol)
 
 
+def add_throughput(rows: dict[str, dict[str, Any]], psi: int, workload: Workload, peak_tflops: float | None) -> None:
+    """Model TFLOP/s per rank (PaLM's count, ``Workload.flops_per_token``) and MFU against the
+    device's dense peak when it is known."""
+    for row in rows.values():
+        if not row.get("ok"):
+            continue
+        s = row["figures"]
+        s["model_tflops_per_s_per_rank"] = s["tokens_per_s"] * workload.flops_per_token(psi) / s["world_size"] / 1e12
+        s["mfu"] = s["model_tflops_per_s_per_rank"] / peak_tflops if peak_tflops else None
+
+
 # (name, ratio, rule, bound). The byte targets allow 0.1%: scalar collectives (a grad-norm
 # all-reduce of 4 vs 8 bytes) and step counters should not decide a comparison.
 TARGETS = (
@@ -500,7 +516,7 @@ def _x(value: float | None) -> str:
 
 
 def results_table(rows: dict[str, dict[str, Any]]) -> str:
-    headers = ["engine", "step s median [p20–p80]", "×DS", "×FSDP2", "tok/s", "peak mem MiB", "×DS", "×FSDP2",
+    headers = ["engine", "step s median [p20–p80]", "×DS", "×FSDP2", "tok/s", "TFLOP/s/rank [MFU]", "peak mem MiB", "×DS", "×FSDP2",
                "model states MiB", "×DS", "×FSDP2", "×formula", "comm MiB/step", "×DS", "×FSDP2", "×formula",
                "max |Δloss| vs DDP", "bg CPU"]
     body = []
@@ -516,6 +532,7 @@ def results_table(rows: dict[str, dict[str, Any]]) -> str:
         body.append([
             label, f"{s['step_time_median_s']:.3f} [{s['step_time_p20_s']:.3f}–{s['step_time_p80_s']:.3f}]",
             _x(r["step_time_vs_deepspeed"]), _x(r["step_time_vs_fsdp2"]), f"{s['tokens_per_s']:.0f}",
+            f"{s['model_tflops_per_s_per_rank']:.3f}" + (f" [{s['mfu']:.1%}]" if s["mfu"] is not None else ""),
             f"{KEY_FIGURES['peak_rss'](s) / (MIB if 'cuda_max_allocated_bytes_per_rank' in s else 1):.0f}",
             _x(r["peak_rss_vs_deepspeed"]), _x(r["peak_rss_vs_fsdp2"]),
             f"{max(s['model_state_bytes_per_rank']) / MIB:.2f}", _x(r["model_state_vs_deepspeed"]),
@@ -696,6 +713,7 @@ def run_size(args: argparse.Namespace) -> tuple[int, int, dict[str, dict[str, An
     work_dir = Path(tempfile.mkdtemp(prefix="bench_engines_"))
     rows = run_all(args, variants_, workload, work_dir)
     add_comparisons(rows, variants_, psi, workload, tolerance)
+    add_throughput(rows, psi, workload, args.peak_tflops)
     final = finish_rows(rows, variants_, args, workload, psi)
 
     print("\n## Results (ratios: ×DS = / DeepSpeed at the same stage, ×FSDP2 = / FSDP2, ×formula = / ZeRO formula)\n")

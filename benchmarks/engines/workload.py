@@ -63,6 +63,12 @@ class Workload:
     def n_head(self) -> int:
         return max(1, self.n_embd // 64)
 
+    def flops_per_token(self, params: int) -> int:
+        """Training FLOPs per token as the PaLM paper counts them for MFU: 6 per parameter
+        (forward 2, backward 4; the tied embedding counted once, as the lm_head's matmul) plus
+        the attention scores and their use, 12 x layers x hidden x seq."""
+        return 6 * params + 12 * self.n_layer * self.n_embd * self.seq
+
     def tokens_per_step(self, world_size: int) -> int:
         return self.micro_batch * self.seq * world_size
 
