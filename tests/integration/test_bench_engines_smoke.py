@@ -59,6 +59,12 @@ def test_one_valid_row_per_engine(rows: list[dict]) -> None:
         assert len(figures["step_times_s"]) == 2  # the warm-up step is left out
         assert 0 < figures["step_time_p20_s"] <= figures["step_time_median_s"] <= figures["step_time_p80_s"]
         assert figures["tokens_per_s"] > 0
+        # PaLM's count by hand: 6 FLOPs per parameter per token + 12 x layers x hidden x seq.
+        w = row["workload"]
+        flops_per_token = 6 * row["params"] + 12 * w["n_layer"] * w["n_embd"] * w["seq"]
+        assert figures["model_tflops_per_s_per_rank"] == pytest.approx(
+            figures["tokens_per_s"] * flops_per_token / 2 / 1e12, rel=1e-12)
+        assert figures["mfu"] is None  # no peak on a CPU
         assert all(rss > 0 for rss in figures["peak_rss_mib_per_rank"])
         assert all(b > 0 for b in figures["model_state_bytes_per_rank"])
         assert all(b > 0 for b in figures["comm_bytes_per_step_per_rank"])
