@@ -159,3 +159,51 @@ def test_stage3_parameter_read_outside_forward_names_it(no_launcher_env):
     assert total != 0.0
     engine.backward(S.model_loss(engine, "llama", ids))  # training goes on unaffected
     engine.step()
+
+
+def test_shape_aware_optimizer_refused_before_the_model_is_touched(no_launcher_env):
+    """[Note: element-wise optimizers]: Adafactor over flat shards trained a different model with no
+    error (5 steps at stage 2: 0.052 from torch's Adafactor, as far as the parameters moved); it is
+    refused at initialize, before any shard exists."""
+    import hf_zero
+    from hf_zero.engine.optimizer_kinds import UnsupportedOptimizerError
+
+    sc = S.scenario("llama", 3)
+    model = S.build_model(sc)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    config = S.make_config(sc)
+    del config["optimizer"]
+    with pytest.raises(UnsupportedOptimizerError, match="torch.optim.Adafactor.*factors its second moment"):
+        hf_zero.initialize(model=model, config=config, optimizer=torch.optim.Adafactor(model.parameters()))
+    assert all(type(p) is torch.nn.Parameter and torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert not model._forward_pre_hooks and not any(m._forward_pre_hooks for m in model.modules())
+
+
+def test_untested_elementwise_optimizer_runs_with_the_config_key(no_launcher_env):
+    """An optimizer hf_zero does not know is refused until zero_allow_untested_optimizer is set;
+    then, being element-wise, it trains exactly as on whole parameters."""
+    import hf_zero
+    from hf_zero.engine.optimizer_kinds import UnsupportedOptimizerError
+    from tests.unit.test_optimizer_kinds import SignSGD
+
+    sc = S.scenario("llama", 2)
+    config = S.make_config(sc)
+    del config["optimizer"]
+    config["gradient_clipping"] = 0.0  # sign SGD: clipping would not change the update
+    model = S.build_model(sc)
+    with pytest.raises(UnsupportedOptimizerError, match="zero_allow_untested_optimizer"):
+        hf_zero.initialize(model=model, config=config, optimizer=SignSGD(model.parameters()))
+    config["zero_allow_untested_optimizer"] = True
+    engine, _, _, _ = hf_zero.initialize(model=model, config=config, optimizer=SignSGD(model.parameters(), lr=1e-2))
+    reference = S.build_model(sc)
+    ref_opt = SignSGD(reference.parameters(), lr=1e-2)
+    for step in range(3):
+        ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(step))
+        engine.backward(S.model_loss(engine, "llama", ids))
+        engine.step()
+        ref_opt.zero_grad()
+        S.model_loss(reference, "llama", ids).backward()
+        ref_opt.step()
+    with engine.gathered_parameters():
+        for (name, mine), (_, ref) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+            assert torch.allclose(mine, ref, atol=1e-6), name  # every element moved by 3e-2

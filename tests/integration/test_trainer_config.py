@@ -107,3 +107,17 @@ def test_zero_config_with_deepspeed_fails_before_transformers_touches_deepspeed(
         HfZeroTrainingArguments(zero_config=json.dumps(AUTO_EXAMPLE), deepspeed=json.dumps(AUTO_EXAMPLE),
                                 **_args(tmp_path))
     assert transformers_deepspeed._hf_deepspeed_config_weak_ref is None
+
+
+def test_trainer_built_optimizer_sets_zero_allow_untested_optimizer(tmp_path: Path) -> None:
+    """As transformers does for DeepSpeed: with no "optimizer" section the Trainer builds the
+    optimizer, so an element-wise optimizer hf_zero does not know (``--optim`` choices from other
+    packages) runs with a warning; shape-aware ones are still refused ([Note: element-wise
+    optimizers])."""
+    from hf_zero.integrations.transformers import HfZeroTrainingArguments
+
+    without = {k: v for k, v in AUTO_EXAMPLE.items() if k not in ("optimizer", "scheduler")}
+    args = HfZeroTrainingArguments(zero_config=json.dumps(without), **_args(tmp_path))
+    assert args.hf_zero_config.zero_allow_untested_optimizer is True
+    args = HfZeroTrainingArguments(zero_config=json.dumps(AUTO_EXAMPLE), **_args(tmp_path))
+    assert args.hf_zero_config.zero_allow_untested_optimizer is False

@@ -15,6 +15,7 @@ from hf_zero.config import HfZeroConfig
 from hf_zero.engine.engine import ZeroEngine
 from hf_zero.engine.loss_scaler import build_loss_scaler
 from hf_zero.engine.optimizer import ZeroAdam, ZeroOptimizer
+from hf_zero.engine.optimizer_kinds import check_optimizer, refuse_shape_aware
 from hf_zero.engine.param_source import SOURCE_ATTRIBUTE, ParamSource
 from hf_zero.engine.overlap_step import OverlappedOffloadStep, can_overlap
 from hf_zero.engine.schedulers import build_scheduler
@@ -98,8 +99,10 @@ def _build_inner_optimizer(
         )
     if isinstance(optimizer, torch.optim.Optimizer):
         return _rebuild_torch_optimizer(optimizer, shard_groups)
-    if callable(optimizer):
-        return optimizer(shard_groups)
+    if callable(optimizer):  # built over the shards by the caller: only a shape-aware class is refused
+        built = optimizer(shard_groups)
+        refuse_shape_aware(built)
+        return built
     if config.optimizer is None:
         return None
     opt = config.optimizer
@@ -171,6 +174,8 @@ def initialize(
     comm = Communicator()
     resolved = HfZeroConfig(config).resolve(world_size=comm.world_size, hidden_size=hidden_size_of(model))
     resolved.log_summary(comm.rank)
+    if isinstance(optimizer, torch.optim.Optimizer):  # before any shard is built: [Note: element-wise optimizers]
+        check_optimizer(optimizer, resolved.zero_allow_untested_optimizer, comm.rank)
 
     source = _lazy_source(model)
     _place_buffers(model, device, comm, source)

@@ -224,6 +224,8 @@ def attach_zero_config(args: TrainingArguments) -> None:
         return
     _check_supported(args)
     raw = _with_precision_sections(HfZeroConfig(source).to_dict(), args.mixed_precision)
+    if "optimizer" not in raw:  # the Trainer builds the optimizer: as transformers does for DeepSpeed
+        raw.setdefault("zero_allow_untested_optimizer", True)
     steps = args.max_steps if args.max_steps > 0 else None
     deferred = _MODEL_KEYS + (() if steps is not None else _STEP_KEYS)
     resolved = _resolve_raw(raw, world_size=args.world_size, hidden_size=None,
