@@ -10,7 +10,9 @@ subclass. It behaves like Accelerate's DeepSpeed path, without the deepspeed pac
 - ``backward`` runs ``engine.backward`` with ``sync_gradients`` as the accumulation boundary,
   then ``engine.step()``: reduce, clip, optimizer step, engine-owned scheduler step, zero grads.
   The returned optimizer's ``step`` / ``zero_grad`` and an engine-owned scheduler's ``step`` are
-  therefore no-ops, and ``clip_grad_norm_`` returns the global norm the engine computed.
+  therefore no-ops, and ``clip_grad_norm_`` returns the global norm the engine computed. In a
+  custom loop the script's own torch scheduler is not engine-owned: see [Note: who steps the
+  script's scheduler].
 - ``prepare_model(model, evaluation_mode=True)`` under stage 3 builds an optimizer-less engine
   (ZeRO inference); stages 0-2 evaluate the plain, replicated model.
 - ``get_state_dict`` gathers the full weights on rank 0 (fp32 unless the config asks for 16-bit);
@@ -27,6 +29,7 @@ Accelerate's own mixed precision is forced to "no": the engine owns precision, a
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 from typing import Any, Iterator
@@ -54,6 +57,31 @@ CONFIG_ENV = "HF_ZERO_CONFIG"
 # The tag save_state gives the engine checkpoint inside its folder (DeepSpeed under Accelerate
 # uses the same ckpt_id).
 ENGINE_CHECKPOINT_TAG = "pytorch_model"
+# A folder: each rank writes memory-rank<R>.json (engine.memory_report()) after its first
+# optimizer step, so a run of an unmodified script can show its per-rank memory.
+MEMORY_REPORT_ENV = "HF_ZERO_MEMORY_REPORT"
+# Accelerate's other distributed backends: hf_zero replaces them, it cannot run under them.
+_OTHER_BACKEND_ARGUMENTS = ("deepspeed_plugin", "deepspeed_plugins", "fsdp_plugin", "megatron_lm_plugin")
+_OTHER_BACKEND_VARIABLES = ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP", "ACCELERATE_USE_MEGATRON_LM")
+
+# How many models an accelerator with an hf_zero config took (training engines, inference
+# engines, and stage 0-2 evaluation models): hf_zero.run fails a run with a config that took none.
+_MODELS_PREPARED = [0]
+
+
+def hf_zero_models_prepared() -> int:
+    return _MODELS_PREPARED[0]
+
+
+def _check_no_other_backend(kwargs: dict[str, Any]) -> None:
+    given = [name for name in _OTHER_BACKEND_ARGUMENTS if kwargs.get(name) is not None]
+    given += [f"{name}={os.environ[name]}" for name in _OTHER_BACKEND_VARIABLES
+              if os.environ.get(name, "").lower() in ("1", "true", "yes")]
+    if given:
+        raise NotImplementedError(
+            f"an hf_zero config is set but the accelerator is also asked for another backend ({', '.join(given)}); "
+            "hf_zero replaces DeepSpeed/FSDP/Megatron-LM: launch with a plain multi-process accelerate config "
+            "(no deepspeed_config / fsdp_config) and drop the plugin argument")
 
 
 class HfZeroOptimizerWrapper(AcceleratedOptimizer):
@@ -135,14 +163,16 @@ class HfZeroAccelerator(Accelerator):
         requested = kwargs.get("mixed_precision") or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
         self._requested_precision = str(getattr(requested, "value", requested))
         if config is not None:
+            _check_no_other_backend(kwargs)
             kwargs["mixed_precision"] = "no"
         super().__init__(*args, **kwargs)
         launched = int(os.environ.get("WORLD_SIZE", "1"))
         if config is not None and launched != self.num_processes:
             raise RuntimeError(
                 f"the launcher started {launched} processes but Accelerate joined {self.num_processes} "
-                f"({self.distributed_type}): on a machine without GPUs pass cpu=True to HfZeroAccelerator "
-                "(or set ACCELERATE_USE_CPU=true) so the processes join over gloo")
+                f"({self.distributed_type}): on a machine without GPUs set ACCELERATE_USE_CPU=true with "
+                "`accelerate launch --multi_gpu --num_processes N` (or use_cpu: true in the yaml), or pass "
+                "cpu=True to the accelerator, so the processes join over gloo")
         self.hf_zero_plugin = hf_zero_plugin
         # [Note: who resolves "auto"] With a plugin (or the environment) this accelerator runs a
         # custom loop: prepare() fills "auto" from what it sees and keeps Accelerate's
@@ -152,6 +182,7 @@ class HfZeroAccelerator(Accelerator):
         self.hf_zero_config: HfZeroConfig | None = config
         self.hf_zero_engine: ZeroEngine | None = None
         self._warned_max_norm = False
+        self._memory_report_dir = os.environ.get(MEMORY_REPORT_ENV) if config is not None else None
 
     # ------------------------------------------------------------------ prepare
     def _resolved_config(self, model: nn.Module, inference: bool, values: dict[str, Any] | None = None) -> HfZeroConfig:
@@ -203,16 +234,36 @@ class HfZeroAccelerator(Accelerator):
         lr_scheduler = scheduler
         if isinstance(scheduler, DummyScheduler):
             lr_scheduler = None if config.scheduler is not None else scheduler.lr_scheduler_callable
+        elif self._script_steps_scheduler(scheduler):
+            lr_scheduler = None  # re-pointed below; see [Note: who steps the script's scheduler]
         engine, _, _, _ = hf_zero.initialize(
             model=model, config=config, optimizer=torch_optimizer, lr_scheduler=lr_scheduler
         )
+        if self._script_steps_scheduler(scheduler) and engine.optimizer is not None:
+            # The sharded optimizer's param groups carry the same hyperparameters (initial_lr included).
+            scheduler.optimizer = engine.optimizer
         attach_engine(engine)
         return self._track(engine)
+
+    # [Note: who steps the script's scheduler]
+    # In a custom loop (a plugin or the environment gives the config) a torch LR scheduler the
+    # script built stays the script's: prepare() wraps it in Accelerate's own AcceleratedScheduler,
+    # re-pointed at the sharded optimizer, so ``scheduler.step()`` moves the learning rate exactly
+    # as it does under plain DDP (once per sync step, times the number of processes unless
+    # split_batches, which is why run_clm_no_trainer.py multiplies its step counts by it) and
+    # Accelerate's save_state / load_state keep its state. The engine steps before the script's
+    # ``scheduler.step()`` (inside accelerator.backward), as the optimizer does under DDP, so
+    # each step uses the learning rate DDP would use. DummyScheduler and the config's "scheduler"
+    # section are engine-owned, as under DeepSpeed; so is the Trainer's scheduler (it counts
+    # its own steps).
+    def _script_steps_scheduler(self, scheduler: Any) -> bool:
+        return self._owns_accumulation and isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler)
 
     def _track(self, engine: ZeroEngine) -> ZeroEngine:
         self.hf_zero_engine = engine
         if engine not in self._models:
             self._models.append(engine)
+            _MODELS_PREPARED[0] += 1
         return engine
 
     def _wrap_optimizer(self, engine: ZeroEngine) -> HfZeroOptimizerWrapper | None:
@@ -225,7 +276,13 @@ class HfZeroAccelerator(Accelerator):
         self._optimizers.append(wrapper)
         return wrapper
 
-    def _wrap_scheduler(self, engine: ZeroEngine, optimizer: HfZeroOptimizerWrapper | None) -> Any:
+    def _wrap_scheduler(self, engine: ZeroEngine, optimizer: HfZeroOptimizerWrapper | None,
+                        scheduler: Any = None) -> Any:
+        if engine.lr_scheduler is None and self._script_steps_scheduler(scheduler) and optimizer is not None:
+            wrapper = AcceleratedScheduler(scheduler, optimizer, step_with_optimizer=self.step_scheduler_with_optimizer,
+                                           split_batches=self.split_batches)
+            self._schedulers.append(wrapper)
+            return wrapper
         if engine.lr_scheduler is None:
             return None
         wrapper = HfZeroSchedulerWrapper(engine.lr_scheduler, optimizer or [])
@@ -237,7 +294,10 @@ class HfZeroAccelerator(Accelerator):
             return super().prepare(*args, device_placement=device_placement)
         models = [i for i, a in enumerate(args) if isinstance(a, nn.Module)]
         if len(models) > 1:
-            raise NotImplementedError("HfZeroAccelerator.prepare takes one model per accelerator")
+            raise NotImplementedError(
+                f"hf_zero's accelerator prepares one model per prepare() call ({len(models)} were passed): "
+                "prepare the trained model with its optimizer, and a frozen model (a reference or teacher) "
+                "with accelerator.prepare_model(model, evaluation_mode=True)")
         optimizers = [i for i, a in enumerate(args) if isinstance(a, (torch.optim.Optimizer, DummyOptim))]
         schedulers = [i for i, a in enumerate(args)
                       if isinstance(a, (torch.optim.lr_scheduler.LRScheduler, DummyScheduler))]
@@ -258,7 +318,10 @@ class HfZeroAccelerator(Accelerator):
     def _prepare_training(self, result: list[Any], model_index: int, optimizers: list[int],
                           schedulers: list[int]) -> None:
         if len(optimizers) > 1 or len(schedulers) > 1:
-            raise NotImplementedError("HfZeroAccelerator.prepare takes at most one optimizer and one scheduler")
+            raise NotImplementedError(
+                f"hf_zero's accelerator prepares at most one optimizer and one scheduler with the model "
+                f"({len(optimizers)} optimizers, {len(schedulers)} schedulers were passed): put every parameter "
+                "in one optimizer, with one param group per set of hyperparameters")
         optimizer = result[optimizers[0]] if optimizers else None
         scheduler = result[schedulers[0]] if schedulers else None
         values = self._auto_values(tuple(result), optimizer, scheduler) if self._owns_accumulation else None
@@ -268,7 +331,7 @@ class HfZeroAccelerator(Accelerator):
         if optimizers:
             result[optimizers[0]] = wrapped_optimizer
         if schedulers:
-            result[schedulers[0]] = self._wrap_scheduler(engine, wrapped_optimizer)
+            result[schedulers[0]] = self._wrap_scheduler(engine, wrapped_optimizer, scheduler)
 
     def _already_prepared_optimizer(self, optimizer: Any) -> Any:
         if isinstance(optimizer, HfZeroOptimizerWrapper):
@@ -290,6 +353,7 @@ class HfZeroAccelerator(Accelerator):
             return existing
         if evaluation_mode:
             if self.hf_zero_config.stage != 3:
+                _MODELS_PREPARED[0] += 1
                 return model.to(self.device)  # stages 0-2 keep full parameters anyway
             return self._build_engine(model, inference=True)
         return self._build_engine(model)
@@ -304,6 +368,17 @@ class HfZeroAccelerator(Accelerator):
         engine.set_gradient_accumulation_boundary(self.sync_gradients)
         engine.backward(loss, scale_wrt_gas=False, **kwargs)
         engine.step()
+        if self._memory_report_dir and self.sync_gradients:
+            self._write_memory_report(engine)
+
+    def _write_memory_report(self, engine: ZeroEngine) -> None:
+        """This rank's memory after its first optimizer step (``HF_ZERO_MEMORY_REPORT``)."""
+        os.makedirs(self._memory_report_dir, exist_ok=True)
+        path = os.path.join(self._memory_report_dir, f"memory-rank{self.process_index}.json")
+        with open(path, "w") as f:
+            json.dump({"rank": self.process_index, "world_size": self.num_processes,
+                       "stage": engine.config.stage, "memory": engine.memory_report()}, f)
+        self._memory_report_dir = None  # once per accelerator
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor | None:
         """The engine clips with the config's ``gradient_clipping`` during its step; this returns
