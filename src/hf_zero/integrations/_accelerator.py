@@ -260,7 +260,10 @@ class HfZeroAccelerator(Accelerator):
         return self._owns_accumulation and isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler)
 
     def _track(self, engine: ZeroEngine) -> ZeroEngine:
-        self.hf_zero_engine = engine
+        # backward() steps hf_zero_engine: a frozen model's inference engine (a DPO reference
+        # model, prepared before or after the trained one) must not take its place.
+        if engine.optimizer is not None or self.hf_zero_engine is None or self.hf_zero_engine.optimizer is None:
+            self.hf_zero_engine = engine
         if engine not in self._models:
             self._models.append(engine)
             _MODELS_PREPARED[0] += 1
