@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 from typing import Any, Iterator
 
@@ -181,7 +182,6 @@ class HfZeroAccelerator(Accelerator):
         self._owns_accumulation = hf_zero_config is None
         self.hf_zero_config: HfZeroConfig | None = config
         self.hf_zero_engine: ZeroEngine | None = None
-        self._warned_max_norm = False
         self._memory_report_dir = os.environ.get(MEMORY_REPORT_ENV) if config is not None else None
 
     # ------------------------------------------------------------------ prepare
@@ -384,17 +384,20 @@ class HfZeroAccelerator(Accelerator):
         self._memory_report_dir = None  # once per accelerator
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor | None:
-        """The engine clips with the config's ``gradient_clipping`` during its step; this returns
-        the global norm (before clipping) it found, as Accelerate does under DeepSpeed."""
+        """The engine clips with the config's ``gradient_clipping`` during its step (inside
+        ``backward``, as DeepSpeed does); this returns the global norm (before clipping) it found.
+        A ``max_norm`` other than the one the engine used cannot be honoured any more: an error."""
         engine = self.hf_zero_engine
         if engine is None or engine.optimizer is None:
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
-        configured = engine.config.gradient_clipping
-        if not self._warned_max_norm and configured and abs(float(max_norm) - configured) > 1e-12:
-            self._warned_max_norm = True
-            logger.warning("clip_grad_norm_(max_norm=%g): the hf_zero engine clips with the config's "
-                           "gradient_clipping=%g during its step (as DeepSpeed does); set HfZeroPlugin"
-                           "(gradient_clipping=...) or the config to change it", max_norm, configured)
+        configured = float(engine.config.gradient_clipping or 0.0)
+        wanted = float(max_norm) if math.isfinite(float(max_norm)) and float(max_norm) > 0 else 0.0
+        if abs(wanted - configured) > 1e-12 or float(norm_type) != 2.0:
+            raise ValueError(
+                f"clip_grad_norm_(max_norm={max_norm}, norm_type={norm_type}): the hf_zero engine has already "
+                f"stepped inside accelerator.backward with the config's gradient_clipping={configured:g} (2-norm; "
+                "0 = off), as DeepSpeed does, and cannot clip this step at another value. Set gradient_clipping "
+                f"to {wanted:g} in the ZeRO config (or HF_ZERO_GRADIENT_CLIPPING / HfZeroPlugin(gradient_clipping=...))")
         norm = engine.get_global_grad_norm()
         return None if norm is None else torch.tensor(norm)
 
