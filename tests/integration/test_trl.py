@@ -5,6 +5,7 @@ through ``hf_zero.run --zero_config``: recipes/examples/train_trl_sft.py (SFT, a
 ``--lora_r``) and trl_dpo_script.py (DPO, whose reference model DPOTrainer builds itself and
 prepares with ``accelerator.prepare_model(ref, evaluation_mode=True)``: an inference-only ZeRO-3
 engine). Tiny Llama, a word-level tokenizer built here, 4 optimizer steps of accumulation 2.
+``GRPOTrainer`` generates with the training model every step (trl_grpo_script.py).
 ``--bf16 false`` on both sides: TRL turns bf16 on by default, which under DDP is autocast over
 fp32 weights and under hf_zero (as under DeepSpeed) bf16 weights with fp32 masters."""
 
@@ -24,6 +25,7 @@ from tests.tiny_models import VOCAB
 
 SFT = str(REPO / "recipes" / "examples" / "train_trl_sft.py")
 DPO = str(Path(__file__).with_name("trl_dpo_script.py"))
+GRPO = str(Path(__file__).with_name("trl_grpo_script.py"))
 STEPS = 4
 
 
@@ -39,14 +41,16 @@ def save_tiny_tokenizer(folder: str) -> None:
                             unk_token="<unk>").save_pretrained(folder)
 
 
-def write_data(root: Path) -> tuple[str, str]:
+def write_data(root: Path) -> tuple[str, str, str]:
     rng = random.Random(0)
     words = lambda n: " ".join(f"w{rng.randrange(VOCAB - 4)}" for _ in range(n))  # noqa: E731
     sft, dpo = root / "sft.jsonl", root / "dpo.jsonl"
     sft.write_text("".join(json.dumps({"text": words(rng.randrange(5, 11))}) + "\n" for _ in range(32)))
     dpo.write_text("".join(json.dumps({"prompt": words(4), "chosen": words(rng.randrange(2, 6)),
                                        "rejected": words(rng.randrange(2, 6))}) + "\n" for _ in range(32)))
-    return str(sft), str(dpo)
+    grpo = root / "grpo.jsonl"
+    grpo.write_text("".join(json.dumps({"prompt": words(4)}) + "\n" for _ in range(16)))
+    return str(sft), str(dpo), str(grpo)
 
 
 @pytest.fixture(scope="module")
@@ -54,22 +58,26 @@ def trl_runs(model_dirs: dict[str, str], tmp_path_factory: pytest.TempPathFactor
     root = tmp_path_factory.mktemp("trl_runs")
     model = model_dirs["llama"]
     save_tiny_tokenizer(model)
-    sft_data, dpo_data = write_data(root)
-    common = ["--model_name_or_path", model, "--use_cpu", "--report_to", "none", "--per_device_train_batch_size", "2",
-              "--gradient_accumulation_steps", "2", "--max_steps", str(STEPS), "--logging_steps", "1",
-              "--learning_rate", "5e-3", "--save_strategy", "steps", "--save_steps", str(STEPS), "--seed", "0",
-              "--disable_tqdm", "true", "--max_length", "16", "--bf16", "false"]
+    sft_data, dpo_data, grpo_data = write_data(root)
+    common = ["--model_name_or_path", model, "--use_cpu", "--report_to", "none", "--max_steps", str(STEPS),
+              "--logging_steps", "1", "--learning_rate", "5e-3", "--save_strategy", "steps", "--save_steps", str(STEPS),
+              "--seed", "0", "--disable_tqdm", "true", "--bf16", "false"]
+    batches = ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2", "--max_length", "16"]
+    # GRPO: 4 completions of up to 6 tokens per prompt, generated every step
+    grpo = ["--per_device_train_batch_size", "4", "--num_generations", "4", "--max_completion_length", "6"]
     configs = {stage: write_config(root / f"zero{stage}.json", stage) for stage in (2, 3)}
 
     def job(name: str, script: str, data: str, stage: int | None, *extra: str) -> dict[str, Any]:
-        argv = [*common, "--dataset_file", data, "--output_dir", str(root / name), *extra]
+        argv = [*common, *(grpo if script == GRPO else batches), "--dataset_file", data, "--output_dir", str(root / name),
+                *extra]
         return {"name": name, "script": script, "argv": argv, **({"zero_config": configs[stage]} if stage else {})}
 
     memory = lambda name: ("--memory_report", str(root / f"{name}-memory.json"))  # noqa: E731
     jobs = [job("sft-ddp", SFT, sft_data, None), job("dpo-ddp", DPO, dpo_data, None, *memory("dpo-ddp")),
             job("lora-ddp", SFT, sft_data, None, "--lora_r", "4"),
             job("sft-z3", SFT, sft_data, 3), job("sft-z2", SFT, sft_data, 2),
-            job("dpo-z3", DPO, dpo_data, 3, *memory("dpo-z3")), job("lora-z2", SFT, sft_data, 2, "--lora_r", "4")]
+            job("dpo-z3", DPO, dpo_data, 3, *memory("dpo-z3")), job("lora-z2", SFT, sft_data, 2, "--lora_r", "4"),
+            job("grpo-ddp", GRPO, grpo_data, None), job("grpo-z3", GRPO, grpo_data, 3)]
     plan = {"jobs": jobs, "out": str(root / "results.json")}
     (root / "plan.json").write_text(json.dumps(plan))
     run_launch(torchrun("-m", "tests.integration.trl_driver", str(root / "plan.json")))
@@ -87,7 +95,7 @@ def _close(got: list[float], expected: list[float], rel: float = 1e-5) -> bool:
     return len(got) == len(expected) and all(math.isclose(a, b, rel_tol=rel) for a, b in zip(got, expected))
 
 
-@pytest.mark.parametrize("name", ["sft-z3", "sft-z2", "dpo-z3", "lora-z2"])
+@pytest.mark.parametrize("name", ["sft-z3", "sft-z2", "dpo-z3", "lora-z2", "grpo-z3"])
 def test_trl_loss_curves_equal_ddp(trl_runs: dict[str, Any], name: str) -> None:
     zero, ddp = _ok(trl_runs, name), _ok(trl_runs, name.split("-")[0] + "-ddp")
     assert len(ddp["loss"]) == STEPS
