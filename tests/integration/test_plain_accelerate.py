@@ -6,7 +6,8 @@ The same script runs three times: under plain ``accelerate launch`` (DDP), under
 with a yaml whose hf_zero section names a stage-3 config. Llama's parameters match none of the
 script's ``no_decay`` names, so its second param group is empty ([Note: param groups keep their
 places]); its linear schedule is stepped as Accelerate steps it ([Note: who steps the script's
-scheduler]); clipping at 0.5 engages. CPU multi-process launches need ``--multi_gpu`` with
+scheduler]); clipping at 0.5 engages; the stage-3 run saves its state at step 2 and a fourth
+launch resumes from it with ``accelerator.load_state``. CPU multi-process launches need ``--multi_gpu`` with
 ACCELERATE_USE_CPU=true (``--cpu`` alone starts one process)."""
 
 from __future__ import annotations
@@ -62,7 +63,12 @@ def runs(model_dirs: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -
     _run([sys.executable, "-m", "hf_zero.cli", "launch", "--config_file", str(root / "zero3.yaml"),
           "--main_process_port", str(free_port()), SCRIPT, *script_args("z3"), "--checkpointing_steps", "2"],
          HF_ZERO_MEMORY_REPORT=str(root / "memory-z3"))
-    results = {name: json.loads((root / name / "all_results.json").read_text()) for name in ("ddp", "z2", "z3")}
+    # load_state: the stage-3 run resumed from its step-2 state (in the script's own way)
+    _run([*launch, "--main_process_port", str(free_port()), "-m", "hf_zero.run", SCRIPT,
+          "--zero_config", str(root / "zero3.json"), *script_args("z3-resumed"),
+          "--resume_from_checkpoint", str(root / "z3" / "step_2")])
+    results = {name: json.loads((root / name / "all_results.json").read_text())
+               for name in ("ddp", "z2", "z3", "z3-resumed")}
     results["root"] = str(root)
     return results
 
@@ -119,6 +125,14 @@ def test_saved_model_and_state(runs: dict[str, Any]) -> None:
     assert sorted(p.name for p in (state / "pytorch_model").glob("rank-*")) == [
         "rank-00000-of-00002.safetensors", "rank-00001-of-00002.safetensors"]
     assert (state / "scheduler.bin").exists()  # the script's scheduler, saved by Accelerate
+
+
+def test_load_state_resumes_the_unmodified_script(runs: dict[str, Any]) -> None:
+    full, resumed = runs["z3"], runs["z3-resumed"]
+    assert len(resumed["losses"]) == 6  # steps 3-5 x accumulation 2
+    assert _close(resumed["losses"], full["losses"][4:]), (resumed["losses"], full["losses"][4:])
+    assert _close(resumed["grad_norms"], full["grad_norms"][2:])
+    assert _close(resumed["lrs"], full["lrs"][2:], rel=1e-9)
 
 
 def test_a_config_the_script_never_uses_is_an_error(tmp_path: Path) -> None:
