@@ -77,6 +77,24 @@ def test_clip_grad_norm_at_another_max_norm_is_an_error(door: None, monkeypatch:
         dist.destroy_process_group()
 
 
+def test_a_second_trained_model_is_refused(door: None) -> None:
+    import accelerate
+    from tests.tiny_models import batch_for_step, tiny_gpt2
+
+    accelerator = accelerate.Accelerator()
+    loader = torch.utils.data.DataLoader(list(batch_for_step(0, 2)), batch_size=2)
+    first, second = tiny_gpt2(), tiny_gpt2(seed=1)
+    accelerator.prepare(first, torch.optim.AdamW(first.parameters()), loader)
+    frozen = accelerator.prepare_model(tiny_gpt2(seed=2), evaluation_mode=True)  # stage 2: evaluated as is
+    assert not hasattr(frozen, "optimizer")
+    with pytest.raises(NotImplementedError, match="trains one model"):
+        accelerator.prepare(second, torch.optim.AdamW(second.parameters()))
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def test_hf_zero_launch_runs_the_script_through_the_runner() -> None:
     assert _through_runner(["--num_processes", "2", "train.py", "--lr", "1"]) == [
         "--num_processes", "2", "-m", "hf_zero.run", "train.py", "--lr", "1"]

@@ -224,6 +224,12 @@ class HfZeroAccelerator(Accelerator):
             return self._track(existing)
         if existing is not None:
             release_engine(existing)  # an evaluation-only engine makes way for a training one
+        current = self.hf_zero_engine
+        if not inference and current is not None and current.optimizer is not None and current in self._models:
+            raise NotImplementedError(
+                "hf_zero's accelerator trains one model: a second model was prepared for training "
+                "(accelerator.backward steps one engine). Train the models in one nn.Module with one optimizer, "
+                "or prepare a frozen model with accelerator.prepare_model(model, evaluation_mode=True)")
         config = self._resolved_config(model, inference, values)
         torch_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
         if isinstance(optimizer, DummyOptim) and config.optimizer is None:
@@ -261,8 +267,10 @@ class HfZeroAccelerator(Accelerator):
 
     def _track(self, engine: ZeroEngine) -> ZeroEngine:
         # backward() steps hf_zero_engine: a frozen model's inference engine (a DPO reference
-        # model, prepared before or after the trained one) must not take its place.
-        if engine.optimizer is not None or self.hf_zero_engine is None or self.hf_zero_engine.optimizer is None:
+        # model, prepared before or after the trained one) must not take its place, and a second
+        # trained model would leave the first one unstepped.
+        current = self.hf_zero_engine
+        if engine.optimizer is not None or current is None or current.optimizer is None:
             self.hf_zero_engine = engine
         if engine not in self._models:
             self._models.append(engine)
