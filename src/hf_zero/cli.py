@@ -116,7 +116,8 @@ def _add_export_and_estimate(sub: argparse._SubParsersAction) -> None:
 # carry the ZeRO config. ``hf-zero launch`` takes the ``hf_zero:`` section out, writes the rest
 # to a temporary yaml, puts the section into ``HF_ZERO_*`` environment variables (every launcher
 # copies the environment to its processes; HfZeroPlugin reads them) and runs ``accelerate
-# launch`` with every other argument unchanged. It starts no process itself.
+# launch`` with every other argument unchanged, the script run through ``hf_zero.run`` (so a
+# plain ``Accelerator()`` in it uses hf_zero). It starts no process itself.
 LAUNCH_OPTIONS = ("--zero_config", "--config_file")
 
 
@@ -142,6 +143,23 @@ def _split_launch_argv(argv: list[str]) -> tuple[dict[str, str], list[str]]:
             rest.append(token)
         i += 1
     return options, rest
+
+
+RUNNER = ["-m", "hf_zero.run"]
+
+
+def _through_runner(rest: list[str]) -> list[str]:
+    """``rest`` with the script run by ``hf_zero.run``, so that a plain ``Accelerator()`` or
+    ``Trainer`` in it uses hf_zero ([Note: the runner's Accelerate door]) and a script that ends
+    up not using it fails instead of training as plain DDP."""
+    for i, token in enumerate(rest):
+        if token in ("-m", "--module"):
+            if rest[i + 1:i + 2] == ["hf_zero.run"]:
+                return rest
+            return [*rest[:i], *RUNNER, "-m", *rest[i + 1:]]
+        if token.endswith(".py"):
+            return [*rest[:i], *RUNNER, *rest[i:]]
+    return rest
 
 
 def _hf_zero_section_env(section: object, yaml_path: str) -> dict[str, str]:
@@ -195,6 +213,7 @@ def _launch(argv: list[str]) -> int:
         print("hf-zero launch: no ZeRO config: add an hf_zero: {config_file: z.json} section to the yaml, "
               "pass --zero_config z.json, or set HF_ZERO_CONFIG", file=sys.stderr)
         return 2
+    rest = _through_runner(rest)
     shown = {k: v for k, v in env.items() if k.startswith("HF_ZERO_")}
     print("running:", " ".join(f"{k}={v}" for k, v in shown.items()), " ".join(launch + rest), flush=True)
     try:

@@ -1,4 +1,4 @@
-"""Run an unmodified Trainer script on hf_zero.
+"""Run an unmodified Trainer or Accelerate script on hf_zero.
 
     python -m hf_zero.run train.py --zero_config zero3.json [script arguments ...]
     torchrun --nproc_per_node 8 -m hf_zero.run train.py --zero_config zero3.json ...
@@ -8,8 +8,11 @@
 ``--zero_config PATH`` (or ``--zero_config=PATH``) is taken out of the script's arguments and put
 in ``HF_ZERO_CONFIG`` (as an absolute path), so any argument parser in the script is unaffected;
 then :func:`hf_zero.integrations.transformers.enable` patches ``TrainingArguments`` and
-``Trainer`` in place, and the script runs as ``__main__``. Without ``--zero_config`` and without
-``HF_ZERO_CONFIG`` the script runs exactly as it would on its own.
+``Trainer`` in place, :func:`hf_zero.integrations.plain_accelerator.enable` makes a plain
+``Accelerator(...)`` an hf_zero one ([Note: the runner's Accelerate door]), and the script runs
+as ``__main__``. A run with a config whose script prepared no model with hf_zero ends in an
+error, never as silent DDP. Without ``--zero_config`` and without ``HF_ZERO_CONFIG`` /
+``HF_ZERO_STAGE`` the script runs exactly as it would on its own.
 """
 
 from __future__ import annotations
@@ -66,18 +69,28 @@ def main(argv: list[str] | None = None) -> None:
 
         os.environ[CONFIG_ENV] = _config_value(value)
 
+    from hf_zero.integrations import plain_accelerator
     from hf_zero.integrations.transformers import enable
 
-    enable()
+    enable()  # first: transformers.trainer keeps accelerate's own Accelerator (the Trainer's route)
+    requested = plain_accelerator.config_requested()
+    if requested:
+        plain_accelerator.enable()  # see [Note: the runner's Accelerate door]
     if as_module:
         sys.argv = [target, *script_args]
         runpy.run_module(target, run_name="__main__", alter_sys=True)
-        return
-    if not os.path.isfile(target):
-        raise SystemExit(f"hf_zero.run: {target}: no such script\n{USAGE}")
-    sys.argv = [target, *script_args]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
-    runpy.run_path(target, run_name="__main__")
+    else:
+        if not os.path.isfile(target):
+            raise SystemExit(f"hf_zero.run: {target}: no such script\n{USAGE}")
+        sys.argv = [target, *script_args]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+        runpy.run_path(target, run_name="__main__")
+    if requested and plain_accelerator.hf_zero_models_prepared() == 0:
+        raise SystemExit(
+            f"hf_zero.run: {target} finished without preparing a model with hf_zero although a ZeRO config "
+            "was given: it trained (if at all) without ZeRO. hf_zero.run runs scripts whose model goes "
+            "through transformers' Trainer or accelerate's Accelerator.prepare; a script that calls "
+            "hf_zero.initialize itself needs no runner")
 
 
 if __name__ == "__main__":

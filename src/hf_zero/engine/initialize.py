@@ -204,11 +204,15 @@ def initialize(
         logger.info("hf_zero: %d units (%s), stage %d, world size %d",
                     len(units), plan.rule, resolved.stage, comm.world_size)
 
+    # [Note: param groups keep their places]
+    # The sharded optimizer has exactly the user's param groups, in the user's order, empty ones
+    # and ones with equal hyperparameters included: a scheduler built on the user's optimizer
+    # (one lr per group), a checkpoint's group list and ``param_groups[i]`` in the script all
+    # index them by position (run_clm_no_trainer's "no_decay" group is empty for Llama).
     shard_groups = [dict(h, params=[]) for h in hyper]
     trainable = [g for u in units for g in u.groups if g.kind.trainable]
     for group in trainable:
         shard_groups[group.kind.param_group_index]["params"].append(group.master)
-    shard_groups = [g for g in shard_groups if g["params"]] or [dict(hyper[0], params=[])]
     inner = _build_inner_optimizer(resolved, optimizer, shard_groups) if trainable else None
     zero_optimizer = None
     if inner is not None:

@@ -10,7 +10,9 @@ subclass. It behaves like Accelerate's DeepSpeed path, without the deepspeed pac
 - ``backward`` runs ``engine.backward`` with ``sync_gradients`` as the accumulation boundary,
   then ``engine.step()``: reduce, clip, optimizer step, engine-owned scheduler step, zero grads.
   The returned optimizer's ``step`` / ``zero_grad`` and an engine-owned scheduler's ``step`` are
-  therefore no-ops, and ``clip_grad_norm_`` returns the global norm the engine computed.
+  therefore no-ops, and ``clip_grad_norm_`` returns the global norm the engine computed. In a
+  custom loop the script's own torch scheduler is not engine-owned: see [Note: who steps the
+  script's scheduler].
 - ``prepare_model(model, evaluation_mode=True)`` under stage 3 builds an optimizer-less engine
   (ZeRO inference); stages 0-2 evaluate the plain, replicated model.
 - ``get_state_dict`` gathers the full weights on rank 0 (fp32 unless the config asks for 16-bit);
@@ -27,7 +29,9 @@ Accelerate's own mixed precision is forced to "no": the engine owns precision, a
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import math
 import os
 from typing import Any, Iterator
 
@@ -55,6 +59,31 @@ CONFIG_ENV = "HF_ZERO_CONFIG"
 # The tag save_state gives the engine checkpoint inside its folder (DeepSpeed under Accelerate
 # uses the same ckpt_id).
 ENGINE_CHECKPOINT_TAG = "pytorch_model"
+# A folder: each rank writes memory-rank<R>.json (engine.memory_report()) after its first
+# optimizer step, so a run of an unmodified script can show its per-rank memory.
+MEMORY_REPORT_ENV = "HF_ZERO_MEMORY_REPORT"
+# Accelerate's other distributed backends: hf_zero replaces them, it cannot run under them.
+_OTHER_BACKEND_ARGUMENTS = ("deepspeed_plugin", "deepspeed_plugins", "fsdp_plugin", "megatron_lm_plugin")
+_OTHER_BACKEND_VARIABLES = ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP", "ACCELERATE_USE_MEGATRON_LM")
+
+# How many models an accelerator with an hf_zero config took (training engines, inference
+# engines, and stage 0-2 evaluation models): hf_zero.run fails a run with a config that took none.
+_MODELS_PREPARED = [0]
+
+
+def hf_zero_models_prepared() -> int:
+    return _MODELS_PREPARED[0]
+
+
+def _check_no_other_backend(kwargs: dict[str, Any]) -> None:
+    given = [name for name in _OTHER_BACKEND_ARGUMENTS if kwargs.get(name) is not None]
+    given += [f"{name}={os.environ[name]}" for name in _OTHER_BACKEND_VARIABLES
+              if os.environ.get(name, "").lower() in ("1", "true", "yes")]
+    if given:
+        raise NotImplementedError(
+            f"an hf_zero config is set but the accelerator is also asked for another backend ({', '.join(given)}); "
+            "hf_zero replaces DeepSpeed/FSDP/Megatron-LM: launch with a plain multi-process accelerate config "
+            "(no deepspeed_config / fsdp_config) and drop the plugin argument")
 
 
 class HfZeroOptimizerWrapper(AcceleratedOptimizer):
@@ -136,14 +165,16 @@ class HfZeroAccelerator(Accelerator):
         requested = kwargs.get("mixed_precision") or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
         self._requested_precision = str(getattr(requested, "value", requested))
         if config is not None:
+            _check_no_other_backend(kwargs)
             kwargs["mixed_precision"] = "no"
         super().__init__(*args, **kwargs)
         launched = int(os.environ.get("WORLD_SIZE", "1"))
         if config is not None and launched != self.num_processes:
             raise RuntimeError(
                 f"the launcher started {launched} processes but Accelerate joined {self.num_processes} "
-                f"({self.distributed_type}): on a machine without GPUs pass cpu=True to HfZeroAccelerator "
-                "(or set ACCELERATE_USE_CPU=true) so the processes join over gloo")
+                f"({self.distributed_type}): on a machine without GPUs set ACCELERATE_USE_CPU=true with "
+                "`accelerate launch --multi_gpu --num_processes N` (or use_cpu: true in the yaml), or pass "
+                "cpu=True to the accelerator, so the processes join over gloo")
         self.hf_zero_plugin = hf_zero_plugin
         # [Note: who resolves "auto"] With a plugin (or the environment) this accelerator runs a
         # custom loop: prepare() fills "auto" from what it sees and keeps Accelerate's
@@ -152,7 +183,7 @@ class HfZeroAccelerator(Accelerator):
         self._owns_accumulation = hf_zero_config is None
         self.hf_zero_config: HfZeroConfig | None = config
         self.hf_zero_engine: ZeroEngine | None = None
-        self._warned_max_norm = False
+        self._memory_report_dir = os.environ.get(MEMORY_REPORT_ENV) if config is not None else None
 
     # ------------------------------------------------------------------ prepare
     def _resolved_config(self, model: nn.Module, inference: bool, values: dict[str, Any] | None = None) -> HfZeroConfig:
@@ -194,6 +225,12 @@ class HfZeroAccelerator(Accelerator):
             return self._track(existing)
         if existing is not None:
             release_engine(existing)  # an evaluation-only engine makes way for a training one
+        current = self.hf_zero_engine
+        if not inference and current is not None and current.optimizer is not None and current in self._models:
+            raise NotImplementedError(
+                "hf_zero's accelerator trains one model: a second model was prepared for training "
+                "(accelerator.backward steps one engine). Train the models in one nn.Module with one optimizer, "
+                "or prepare a frozen model with accelerator.prepare_model(model, evaluation_mode=True)")
         config = self._resolved_config(model, inference, values)
         torch_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
         if isinstance(optimizer, DummyOptim) and config.optimizer is None:
@@ -204,9 +241,14 @@ class HfZeroAccelerator(Accelerator):
         lr_scheduler = scheduler
         if isinstance(scheduler, DummyScheduler):
             lr_scheduler = None if config.scheduler is not None else scheduler.lr_scheduler_callable
+        elif self._script_steps_scheduler(scheduler):
+            lr_scheduler = None  # re-pointed below; see [Note: who steps the script's scheduler]
         engine, _, _, _ = hf_zero.initialize(
             model=model, config=config, optimizer=torch_optimizer, lr_scheduler=lr_scheduler
         )
+        if self._script_steps_scheduler(scheduler) and engine.optimizer is not None:
+            # The sharded optimizer's param groups carry the same hyperparameters (initial_lr included).
+            scheduler.optimizer = engine.optimizer
         attach_engine(engine)
         self._compile_units(engine)
         return self._track(engine)
@@ -220,10 +262,30 @@ class HfZeroAccelerator(Accelerator):
         kwargs = plugin.to_kwargs()
         engine.compile(backend=kwargs.pop("backend", plugin.backend.value.lower()), compile_kwargs=kwargs)
 
+    # [Note: who steps the script's scheduler]
+    # In a custom loop (a plugin or the environment gives the config) a torch LR scheduler the
+    # script built stays the script's: prepare() wraps it in Accelerate's own AcceleratedScheduler,
+    # re-pointed at the sharded optimizer, so ``scheduler.step()`` moves the learning rate exactly
+    # as it does under plain DDP (once per sync step, times the number of processes unless
+    # split_batches, which is why run_clm_no_trainer.py multiplies its step counts by it) and
+    # Accelerate's save_state / load_state keep its state. The engine steps before the script's
+    # ``scheduler.step()`` (inside accelerator.backward), as the optimizer does under DDP, so
+    # each step uses the learning rate DDP would use. DummyScheduler and the config's "scheduler"
+    # section are engine-owned, as under DeepSpeed; so is the Trainer's scheduler (it counts
+    # its own steps).
+    def _script_steps_scheduler(self, scheduler: Any) -> bool:
+        return self._owns_accumulation and isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler)
+
     def _track(self, engine: ZeroEngine) -> ZeroEngine:
-        self.hf_zero_engine = engine
+        # backward() steps hf_zero_engine: a frozen model's inference engine (a DPO reference
+        # model, prepared before or after the trained one) must not take its place, and a second
+        # trained model would leave the first one unstepped.
+        current = self.hf_zero_engine
+        if engine.optimizer is not None or current is None or current.optimizer is None:
+            self.hf_zero_engine = engine
         if engine not in self._models:
             self._models.append(engine)
+            _MODELS_PREPARED[0] += 1
         return engine
 
     def _wrap_optimizer(self, engine: ZeroEngine) -> HfZeroOptimizerWrapper | None:
@@ -236,7 +298,13 @@ class HfZeroAccelerator(Accelerator):
         self._optimizers.append(wrapper)
         return wrapper
 
-    def _wrap_scheduler(self, engine: ZeroEngine, optimizer: HfZeroOptimizerWrapper | None) -> Any:
+    def _wrap_scheduler(self, engine: ZeroEngine, optimizer: HfZeroOptimizerWrapper | None,
+                        scheduler: Any = None) -> Any:
+        if engine.lr_scheduler is None and self._script_steps_scheduler(scheduler) and optimizer is not None:
+            wrapper = AcceleratedScheduler(scheduler, optimizer, step_with_optimizer=self.step_scheduler_with_optimizer,
+                                           split_batches=self.split_batches)
+            self._schedulers.append(wrapper)
+            return wrapper
         if engine.lr_scheduler is None:
             return None
         wrapper = HfZeroSchedulerWrapper(engine.lr_scheduler, optimizer or [])
@@ -248,7 +316,10 @@ class HfZeroAccelerator(Accelerator):
             return super().prepare(*args, device_placement=device_placement)
         models = [i for i, a in enumerate(args) if isinstance(a, nn.Module)]
         if len(models) > 1:
-            raise NotImplementedError("HfZeroAccelerator.prepare takes one model per accelerator")
+            raise NotImplementedError(
+                f"hf_zero's accelerator prepares one model per prepare() call ({len(models)} were passed): "
+                "prepare the trained model with its optimizer, and a frozen model (a reference or teacher) "
+                "with accelerator.prepare_model(model, evaluation_mode=True)")
         optimizers = [i for i, a in enumerate(args) if isinstance(a, (torch.optim.Optimizer, DummyOptim))]
         schedulers = [i for i, a in enumerate(args)
                       if isinstance(a, (torch.optim.lr_scheduler.LRScheduler, DummyScheduler))]
@@ -269,7 +340,10 @@ class HfZeroAccelerator(Accelerator):
     def _prepare_training(self, result: list[Any], model_index: int, optimizers: list[int],
                           schedulers: list[int]) -> None:
         if len(optimizers) > 1 or len(schedulers) > 1:
-            raise NotImplementedError("HfZeroAccelerator.prepare takes at most one optimizer and one scheduler")
+            raise NotImplementedError(
+                f"hf_zero's accelerator prepares at most one optimizer and one scheduler with the model "
+                f"({len(optimizers)} optimizers, {len(schedulers)} schedulers were passed): put every parameter "
+                "in one optimizer, with one param group per set of hyperparameters")
         optimizer = result[optimizers[0]] if optimizers else None
         scheduler = result[schedulers[0]] if schedulers else None
         values = self._auto_values(tuple(result), optimizer, scheduler) if self._owns_accumulation else None
@@ -279,7 +353,7 @@ class HfZeroAccelerator(Accelerator):
         if optimizers:
             result[optimizers[0]] = wrapped_optimizer
         if schedulers:
-            result[schedulers[0]] = self._wrap_scheduler(engine, wrapped_optimizer)
+            result[schedulers[0]] = self._wrap_scheduler(engine, wrapped_optimizer, scheduler)
 
     def _already_prepared_optimizer(self, optimizer: Any) -> Any:
         if isinstance(optimizer, HfZeroOptimizerWrapper):
@@ -301,6 +375,7 @@ class HfZeroAccelerator(Accelerator):
             return existing
         if evaluation_mode:
             if self.hf_zero_config.stage != 3:
+                _MODELS_PREPARED[0] += 1
                 return model.to(self.device)  # stages 0-2 keep full parameters anyway
             return self._build_engine(model, inference=True)
         return self._build_engine(model)
@@ -315,19 +390,33 @@ class HfZeroAccelerator(Accelerator):
         engine.set_gradient_accumulation_boundary(self.sync_gradients)
         engine.backward(loss, scale_wrt_gas=False, **kwargs)
         engine.step()
+        if self._memory_report_dir and self.sync_gradients:
+            self._write_memory_report(engine)
+
+    def _write_memory_report(self, engine: ZeroEngine) -> None:
+        """This rank's memory after its first optimizer step (``HF_ZERO_MEMORY_REPORT``)."""
+        os.makedirs(self._memory_report_dir, exist_ok=True)
+        path = os.path.join(self._memory_report_dir, f"memory-rank{self.process_index}.json")
+        with open(path, "w") as f:
+            json.dump({"rank": self.process_index, "world_size": self.num_processes,
+                       "stage": engine.config.stage, "memory": engine.memory_report()}, f)
+        self._memory_report_dir = None  # once per accelerator
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor | None:
-        """The engine clips with the config's ``gradient_clipping`` during its step; this returns
-        the global norm (before clipping) it found, as Accelerate does under DeepSpeed."""
+        """The engine clips with the config's ``gradient_clipping`` during its step (inside
+        ``backward``, as DeepSpeed does); this returns the global norm (before clipping) it found.
+        A ``max_norm`` other than the one the engine used cannot be honoured any more: an error."""
         engine = self.hf_zero_engine
         if engine is None or engine.optimizer is None:
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
-        configured = engine.config.gradient_clipping
-        if not self._warned_max_norm and configured and abs(float(max_norm) - configured) > 1e-12:
-            self._warned_max_norm = True
-            logger.warning("clip_grad_norm_(max_norm=%g): the hf_zero engine clips with the config's "
-                           "gradient_clipping=%g during its step (as DeepSpeed does); set HfZeroPlugin"
-                           "(gradient_clipping=...) or the config to change it", max_norm, configured)
+        configured = float(engine.config.gradient_clipping or 0.0)
+        wanted = float(max_norm) if math.isfinite(float(max_norm)) and float(max_norm) > 0 else 0.0
+        if abs(wanted - configured) > 1e-12 or float(norm_type) != 2.0:
+            raise ValueError(
+                f"clip_grad_norm_(max_norm={max_norm}, norm_type={norm_type}): the hf_zero engine has already "
+                f"stepped inside accelerator.backward with the config's gradient_clipping={configured:g} (2-norm; "
+                "0 = off), as DeepSpeed does, and cannot clip this step at another value. Set gradient_clipping "
+                f"to {wanted:g} in the ZeRO config (or HF_ZERO_GRADIENT_CLIPPING / HfZeroPlugin(gradient_clipping=...))")
         norm = engine.get_global_grad_norm()
         return None if norm is None else torch.tensor(norm)
 
