@@ -26,9 +26,9 @@ import torch
 
 from hf_zero.checkpoint.errors import CheckpointError
 from hf_zero.checkpoint.manifest import (
-    BUFFER_PREFIX, PARAM_KEY, read_manifest, resolve_checkpoint_dir, tensor_name,
+    BUFFER_PREFIX, PARAM_KEY, manifest_errors, read_manifest, resolve_checkpoint_dir, tensor_name,
 )
-from hf_zero.checkpoint.reader import RankFiles
+from hf_zero.checkpoint.reader import RankFiles, check_every_tensor
 from hf_zero.checkpoint.reshard import SavedSlot, index_saved_slots, plan_pieces
 from hf_zero.checkpoint.safetensors_io import TensorEntry, write_safetensors
 
@@ -106,6 +106,8 @@ def _plan_entries(manifest: dict[str, Any], streamer: _Streamer, dtype: torch.dt
 
 
 def _check_rank_files(files: RankFiles, manifest: dict[str, Any]) -> None:
+    """Every tensor of every rank file verified (see [Note: verified loads]), and the ones
+    export reads present with the manifest's sizes."""
     expected: dict[int, dict[str, int]] = {}
     for record in manifest["groups"]:
         shard_numel = record["padded_numel"] // record["world_size"]
@@ -116,6 +118,7 @@ def _check_rank_files(files: RankFiles, manifest: dict[str, Any]) -> None:
         expected.setdefault(0, {}).update({BUFFER_PREFIX + b["name"]: _numel(b["shape"]) for b in buffers})
     for index in sorted(expected):
         files.check(index, expected[index])
+    check_every_tensor(files, range(len(manifest["files"])))
 
 
 def _numel(shape: list[int]) -> int:
@@ -184,9 +187,11 @@ def export_hf_model(
     source = resolve_checkpoint_dir(ckpt_dir, tag)
     manifest = read_manifest(source)
     files = RankFiles(source, manifest)
-    _check_rank_files(files, manifest)
-    streamer = _Streamer(files, index_saved_slots(manifest["groups"]))
-    shards = _split(_plan_entries(manifest, streamer, torch_dtype), parse_size(max_shard_size))
+    with manifest_errors(source):
+        _check_rank_files(files, manifest)
+        streamer = _Streamer(files, index_saved_slots(manifest["groups"]))
+        entries = _plan_entries(manifest, streamer, torch_dtype)
+    shards = _split(entries, parse_size(max_shard_size))
     out_dir = os.path.abspath(os.fspath(out_dir))
     if os.path.abspath(source).startswith(out_dir + os.sep) or os.path.abspath(source) == out_dir:
         raise CheckpointError(f"{out_dir}: the export directory contains the checkpoint {source}; choose another")

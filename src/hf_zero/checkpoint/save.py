@@ -166,9 +166,14 @@ def _raise_if_failed(outcomes: list[dict[str, Any]], what: str, local: BaseExcep
         raise CheckpointError(f"{what}:\n  " + "\n  ".join(errors)) from local
 
 
-def _write_rank_file(path: str, entries: list[TensorEntry], metadata: dict[str, str]) -> int:
-    """One rank's file (a separate function so a test can make it fail half-way)."""
-    return write_safetensors(path, entries, metadata)
+def _write_rank_file(path: str, entries: list[TensorEntry], metadata: dict[str, str]) -> dict[str, Any]:
+    """One rank's file (a separate function so a test can make it fail half-way): its manifest
+    record, with each tensor's dtype, shape and digest (see [Note: verified loads])."""
+    digests: dict[str, str] = {}
+    nbytes = write_safetensors(path, entries, metadata, digests)
+    tensors = {e.name: {"dtype": DTYPE_TAGS[e.dtype], "shape": list(e.shape), "sha256": digests[e.name]}
+               for e in entries}
+    return {"name": os.path.basename(path), "bytes": nbytes, "tensors": tensors}
 
 
 def _write_json(path: str, data: Any) -> None:
@@ -249,19 +254,20 @@ def _make_tmp_dir(comm: Any, save_dir: str, tag: str) -> tuple[str, str]:
 def _write_files(engine: Any, prepared: _Prepared, tmp_dir: str, tag: str, save_id: str) -> list[dict[str, Any]]:
     count = prepared.data_world_size
     name = rank_file_name(engine.rank, count) if engine.rank < count else None
-    nbytes, local_error = None, None
+    record, local_error = None, None
     if name is not None:
         path = os.path.join(tmp_dir, name)
-        metadata = {"format": "hf_zero", "save_id": save_id, "tag": tag, "rank": str(engine.rank)}
+        metadata = {"format": "hf_zero", "save_id": save_id, "tag": tag, "rank": str(engine.rank),
+                    "world_size": str(count)}
         try:
-            nbytes = _write_rank_file(path, prepared.entries, metadata)
+            record = _write_rank_file(path, prepared.entries, metadata)
         except Exception as exc:  # a full disk, a lost mount: every rank must hear of it
             local_error = exc
     message = f"writing {os.path.join(tmp_dir, name or '')}: {type(local_error).__name__}: {local_error}" if local_error else None
-    outcomes = _exchange(engine.comm, {"error": message, "name": name, "bytes": nbytes})
+    outcomes = _exchange(engine.comm, {"error": message, "record": record})
     _raise_if_failed(outcomes, "save_checkpoint failed while writing rank files; the previous checkpoint and "
                      "'latest' are untouched and the partial files were removed", local_error)
-    return [{"name": o["name"], "bytes": o["bytes"]} for o in outcomes[:count]]
+    return [o["record"] for o in outcomes[:count]]
 
 
 def _finish(engine: Any, prepared: _Prepared, save_dir: str, tmp_dir: str, tag: str, save_id: str,
