@@ -152,6 +152,11 @@ CASES: dict[str, tuple[Callable[[str], None], str]] = {
                              "manifest.json"),
 }
 
+# what the error must say besides the file, where one check is meant to catch the case
+PHRASES = {"rank_files_swapped": "swapped", "header_dtype_f32_i32": "header was altered",
+           "flipped_byte_param": "checksum", "offsets_swapped": "checksum", "file_of_another_save": "another save",
+           "truncated": "truncated", "manifest_scheduler_garbage": "lr_scheduler", "manifest_rng_garbage": "RNG"}
+
 
 def _damage_all(root: str) -> None:
     for case, (damage, _) in CASES.items():
@@ -250,6 +255,8 @@ def test_a_damaged_checkpoint_is_refused_before_anything_changes(corpus, case):
         assert outcome["error"] is not None, f"rank {rank} loaded {case} without an error"
         assert not outcome["error"].startswith("not a CheckpointError"), outcome["error"]
         assert CASES[case][1] in outcome["error"], outcome["error"]
+        said = outcome["error"].replace(os.path.join(corpus["root"], "broken", case), "<dir>")  # the case's name
+        assert PHRASES.get(case, "") in said, outcome["error"]
         assert "nothing was loaded" in outcome["error"]
         assert outcome["unchanged"], f"rank {rank}: {case} changed the engine before failing"
 
