@@ -408,8 +408,8 @@ _SPECS: list[KeySpec] = [
     KeySpec("bf16", Section(), {}, "bf16 mixed precision.", aliases=("bfloat16",)),
     KeySpec("bf16.enabled", Bool(), False, "Compute in bf16; the master weights stay fp32.", auto_from="bf16"),
     KeySpec("bf16.immediate_grad_update", Bool(), False, "Apply gradients to the master immediately.", NOT_IMPLEMENTED, "immediate gradient updates", gate=_BF16_ONLY, when_on="true"),
-    KeySpec("bf16.check_grad_overflow", Bool(), False, "Skip steps whose bf16 gradients overflow.", NOT_IMPLEMENTED, "bf16 overflow step skipping", gate=_BF16_ONLY, when_on="true"),
-    KeySpec("bf16.check_overflow", Bool(), False, "Older spelling of check_grad_overflow.", NOT_IMPLEMENTED, "bf16 overflow step skipping", gate=_BF16_ONLY, when_on="true"),
+    KeySpec("bf16.check_grad_overflow", Bool(), False, "Skip (instead of raising FloatingPointError on) steps whose bf16 gradients hold inf/nan; either way the step's gradients are dropped and nothing else changes.", gate=_BF16_ONLY),
+    KeySpec("bf16.check_overflow", Bool(), False, "Older spelling of check_grad_overflow.", gate=_BF16_ONLY),
     KeySpec("bf16.bf16_master_weights_and_grads", Bool(), False, "Keep master weights and gradients in bf16.", NOT_IMPLEMENTED, "bf16 master weights; hf_zero's master is fp32", gate=_BF16_ONLY, when_on="true"),
     KeySpec("bf16.bf16_optimizer_states", Bool(), False, "Keep optimizer states in bf16.", NOT_IMPLEMENTED, "bf16 optimizer states; hf_zero's are fp32", gate=_BF16_ONLY, when_on="true"),
     # -- amp (apex) and torch_autocast --

@@ -210,6 +210,7 @@ def initialize(
         zero_optimizer = ZeroOptimizer(inner, trainable, comm, resolved.gradient_clipping, resolved.stage,
                                        allgather_bucket_numel=int(resolved.zero.allgather_bucket_size))
         zero_optimizer.loss_scaler = build_loss_scaler(**_loss_scaler_kwargs(resolved))
+        zero_optimizer.skip_nonfinite = resolved.bf16.enabled and resolved.bf16.check_grad_overflow
         if offload.optimizer == "nvme":
             zero_optimizer.nvme = _nvme_store(offload, comm.rank, trainable)
         if offload.optimizer_on_host and can_overlap(inner, resolved.gradient_clipping, resolved.fp16.enabled,

@@ -15,6 +15,7 @@ before anything is written.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import os
 import shutil
@@ -142,6 +143,38 @@ class NvmeOptimizerStore:
             write_compute(tiles["master"], start)
             for state, tile in tiles.items():
                 self.write(index, state, start, tile)
+
+    # ---------------------------------------------------------- undo copies (overlapped step)
+    def snapshot(self, index: int) -> tuple[int, list[str]]:
+        """Copies of group ``index``'s files and its step count, for :meth:`restore`."""
+        copies = []
+        for state in STATES:
+            copy = self.path(index, state) + ".undo"
+            shutil.copyfile(self.path(index, state), copy)
+            copies.append(copy)
+        return self.steps[index], copies
+
+    def restore(self, index: int, saved: tuple[int, list[str]],
+                write_compute: Callable[[torch.Tensor, int], None]) -> None:
+        """Group ``index`` as :meth:`snapshot` copied it; the compute shard rewritten from the master."""
+        steps, copies = saved
+        buffer = torch.empty(self.tile_numel, dtype=torch.float32)
+        for state, copy in zip(STATES, copies):  # a tile at a time: memory stays at one tile
+            with open(copy, "rb") as src:
+                for start in range(0, self.numels[index], self.tile_numel):
+                    tile = buffer[: min(self.tile_numel, self.numels[index] - start)]
+                    src.readinto(byte_view(tile))
+                    self.write(index, state, start, tile)
+        self.steps[index] = steps
+        for start, tile in zip(range(0, self.numels[index], self.tile_numel), self.iter_tiles(index, "master")):
+            write_compute(tile, start)
+        self.drop_snapshot(saved)
+
+    @staticmethod
+    def drop_snapshot(saved: tuple[int, list[str]]) -> None:
+        for copy in saved[1]:
+            with contextlib.suppress(OSError):
+                os.remove(copy)
 
     def close(self) -> None:
         for (index, state), fd in self._fds.items():
