@@ -218,11 +218,14 @@ def save_checkpoint(engine: Any, save_dir: str | os.PathLike[str], tag: str | No
         prepared = _prepare(engine, tag, client_state)
     except CheckpointError as exc:
         local_error = exc
-    outcomes = _exchange(comm, {"error": str(local_error) if local_error else None, "tag": tag, "rng": capture_rng()})
+    steps = [engine.global_steps, engine.micro_steps]
+    outcomes = _exchange(comm, {"error": str(local_error) if local_error else None, "tag": tag, "rng": capture_rng(),
+                                "steps": steps})
     _raise_if_failed(outcomes, f"save_checkpoint({save_dir!r}, tag={tag!r}) refused; nothing was written", local_error)
     tags = sorted({o["tag"] for o in outcomes})
     if len(tags) > 1:
         raise CheckpointError(f"save_checkpoint: ranks passed different tags {tags}; pass the same tag on every rank")
+    _check_same_step(outcomes, save_dir)
     prepared = cast(_Prepared, prepared)  # _prepare succeeded on every rank
     rng_states = [o["rng"] for o in outcomes]
     tmp_dir, save_id = _make_tmp_dir(comm, save_dir, tag)
@@ -233,6 +236,19 @@ def save_checkpoint(engine: Any, save_dir: str | os.PathLike[str], tag: str | No
         if comm.rank == 0:
             shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
+
+
+def _check_same_step(outcomes: list[dict[str, Any]], save_dir: str) -> None:
+    """Every rank at the same optimizer step and micro-step (see [Note: rank agreement]): a rank
+    that ran an extra micro-step would save state the others do not have."""
+    steps = [tuple(o["steps"]) for o in outcomes]
+    if len(set(steps)) > 1:
+        shown = ", ".join(f"rank {rank} at step {g} micro-step {m}" for rank, (g, m) in enumerate(steps))
+        raise CheckpointError(
+            f"save_checkpoint({save_dir!r}) refused, nothing was written: the ranks are at different steps ({shown}); "
+            "every rank must run the same number of forward/backward/step calls (an uneven last batch or a "
+            "rank-dependent loop is the usual cause)"
+        )
 
 
 def _make_tmp_dir(comm: Any, save_dir: str, tag: str) -> tuple[str, str]:

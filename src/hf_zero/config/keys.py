@@ -316,6 +316,7 @@ _SPECS: list[KeySpec] = [
     KeySpec("zero_allow_untested_optimizer", Bool(), False, "Allow an optimizer hf_zero did not create (set by the Trainer when it builds the optimizer).", NO_EFFECT, "hf_zero steps any torch optimizer over flat fp32 shards, so no optimizer is untested"),
     KeySpec("zero_force_ds_cpu_optimizer", Bool(), True, "Require DeepSpeed's CPU Adam when offloading.", NO_EFFECT, "hf_zero has no DeepSpeed CPU optimizer to force"),
     KeySpec("dataloader_drop_last", Bool(), False, "Drop the last incomplete batch in the data loader hf_zero.initialize builds from training_data."),
+    KeySpec("collective_timeout_s", Float(), None, "hf_zero only: seconds a collective waits for the other ranks before every waiting rank raises, naming the collective, its unit and the step (null: the HF_ZERO_TIMEOUT environment variable, else torch's 30 minutes). Applies to process groups hf_zero creates.", nullable=True, check=above(0)),
     KeySpec("vocabulary_size", Int(), None, "Only used by DeepSpeed to warn when not a multiple of 8.", NO_EFFECT, "DeepSpeed only prints a warning from it", nullable=True),
     KeySpec("log_level", Str(), None, "DeepSpeed's logger level.", NO_EFFECT, "hf_zero logs through logging.getLogger('hf_zero')", nullable=True),
     KeySpec("graph_harvesting", Bool(), False, "Capture short kernel sequences as CUDA graphs.", NO_EFFECT, "a speed hint; the math is unchanged"),

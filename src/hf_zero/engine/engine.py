@@ -76,6 +76,11 @@ class ZeroEngine(nn.Module):
         if optimizer is not None and optimizer.overlapped is not None:
             self.protocol.on_grads_final = optimizer.overlapped.submit
         self.protocol.install()
+        comm.where = self._progress  # named by collective errors ([Note: collective errors])
+
+    def _progress(self) -> str:
+        return (f"optimizer step {self.global_steps + 1} (micro-step {self.micro_steps + 1}, "
+                f"accumulation boundary {self.is_gradient_accumulation_boundary()})")
 
     # ------------------------------------------------------------------ identity
     @property
