@@ -11,8 +11,10 @@ rank is left waiting in a collective:
 2. rank 0 creates ``<save_dir>/.<tag>.tmp-<save_id>/``;
 3. every data rank streams its file into it (see [Note: streamed safetensors]) and fsyncs it;
 4. rank 0 writes ``manifest.json`` (with each file's size), renames the directory to
-   ``<save_dir>/<tag>/`` (an existing tag is moved aside first and removed after), then writes
-   ``latest`` through a temporary file and ``os.replace``.
+   ``<save_dir>/<tag>/`` (an existing tag is swapped out first and removed after), then writes
+   ``latest`` through a temporary file and ``os.replace``. Re-saving an existing tag swaps the
+   two directories in one atomic call where the OS has one (Linux ``renameat2``), so ``latest``
+   never names a missing directory; folders left by interrupted saves are reported.
 
 A failure in rounds 2-4 removes the temporary directory; a crash leaves at most a hidden
 ``.<tag>.tmp-*`` directory, which loading ignores. ``save_dir`` must be one filesystem that
@@ -21,7 +23,9 @@ every rank sees (a shared mount on several nodes).
 
 from __future__ import annotations
 
+import ctypes
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -38,6 +42,8 @@ from hf_zero.checkpoint.manifest import (
 )
 from hf_zero.checkpoint.offloaded import is_streamed, streamed_entries
 from hf_zero.checkpoint.safetensors_io import DTYPE_TAGS, TensorEntry, fsync_dir, write_safetensors
+
+logger = logging.getLogger("hf_zero")
 
 
 @dataclass
@@ -184,14 +190,42 @@ def _write_json(path: str, data: Any) -> None:
         os.fsync(handle.fileno())
 
 
+_RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+def _exchange_dirs(a: str, b: str) -> bool:
+    """Swap two paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``), so that re-saving a tag
+    never leaves ``latest`` naming a missing directory. False where the call is not available."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd = -100
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0
+
+
+def _report_leftovers(save_dir: str, tag: str) -> None:
+    """Temporary folders of saves that crashed (loading ignores them, but they can be as large as
+    a checkpoint). Reported, not removed: another job may be saving into the same folder."""
+    leftovers = sorted(n for n in os.listdir(save_dir)
+                       if n.startswith(".") and (".tmp-" in n or ".old-" in n) and not n.startswith(f".{tag}.tmp-"))
+    if leftovers:
+        logger.warning("hf_zero: %s holds %d folder(s) left by interrupted saves (%s); delete them if no other "
+                       "job is saving there", save_dir, len(leftovers), ", ".join(leftovers[:5]))
+
+
 def _publish(save_dir: str, tmp_dir: str, tag: str, save_id: str) -> str:
     """Rename the finished directory into place and point ``latest`` at it (rank 0)."""
     final = os.path.join(save_dir, tag)
     aside = None
-    if os.path.lexists(final):  # re-saving a tag: keep the old one until the new one is in place
-        aside = os.path.join(save_dir, f".{tag}.old-{save_id}")
-        os.rename(final, aside)
-    os.rename(tmp_dir, final)
+    if os.path.lexists(final):  # re-saving a tag: the old one stays until the new one is in place
+        aside = tmp_dir if _exchange_dirs(tmp_dir, final) else os.path.join(save_dir, f".{tag}.old-{save_id}")
+        if aside != tmp_dir:  # no atomic exchange here: a short window where the tag is absent
+            os.rename(final, aside)
+            os.rename(tmp_dir, final)
+    else:
+        os.rename(tmp_dir, final)
     fsync_dir(save_dir)
     latest_tmp = os.path.join(save_dir, f".{LATEST_NAME}.tmp-{save_id}")
     with open(latest_tmp, "w", encoding="utf-8") as handle:
@@ -202,6 +236,7 @@ def _publish(save_dir: str, tmp_dir: str, tag: str, save_id: str) -> str:
     fsync_dir(save_dir)
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
+    _report_leftovers(save_dir, tag)
     return final
 
 
