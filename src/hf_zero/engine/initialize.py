@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from hf_zero.comm import Communicator, default_device, ensure_process_group, hf_zero_timeout_s
 from hf_zero.config import HfZeroConfig
+from hf_zero.config.validate import config_warnings
 from hf_zero.engine.engine import ZeroEngine
 from hf_zero.engine.loss_scaler import build_loss_scaler
 from hf_zero.engine.optimizer import ZeroAdam, ZeroOptimizer
@@ -180,6 +181,9 @@ def initialize(
             local_error = exc
     agree(comm, "hf_zero.initialize", local_error, prints)  # see [Note: rank agreement]
     resolved.log_summary(comm.rank)
+    if comm.rank == 0:
+        for warning in config_warnings(resolved.to_dict()):
+            logger.warning("hf_zero config: %s", warning)
 
     source = _lazy_source(model)
     _place_buffers(model, device, comm, source)
