@@ -51,3 +51,17 @@ def test_re_saving_a_tag_swaps_the_directories_in_one_step(tmp_path):
     if not _exchange_dirs(str(new), str(old)):
         pytest.skip("no renameat2 on this system: the two-rename fallback is used")
     assert (old / "manifest.json").read_text() == "new" and (new / "manifest.json").read_text() == "old"
+
+
+def test_the_engine_offers_every_member_of_the_checkpoint_interface(monkeypatch):
+    import hf_zero
+    from hf_zero.checkpoint.engine_state import EngineState, flat_groups
+    from tests.tiny_models import BUILDERS
+
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    engine, *_ = hf_zero.initialize(model=BUILDERS["gpt2"](), config={
+        "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    assert isinstance(engine, EngineState)
+    assert [g.label for g in flat_groups(engine)] == [r["group"] for r in engine.layout()]

@@ -19,10 +19,11 @@ import copy
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from hf_zero.checkpoint.engine_state import EngineState, flat_groups
 from hf_zero.checkpoint.errors import CheckpointError
 from hf_zero.checkpoint.manifest import (
     BUFFER_PREFIX, MANIFEST_NAME, OPTIM_PREFIX, PARAM_KEY, capture_rng, decode_state, manifest_errors,
@@ -35,12 +36,15 @@ from hf_zero.checkpoint.reader import RankFiles
 from hf_zero.checkpoint.reshard import Piece, SavedSlot, index_saved_slots, plan_pieces
 from hf_zero.checkpoint.safetensors_io import TAG_DTYPES
 
+if TYPE_CHECKING:
+    from hf_zero.engine.flat_group import FlatParamGroup
+
 logger = logging.getLogger("hf_zero")
 
 
 @dataclass
 class _GroupPlan:
-    group: Any  # FlatParamGroup
+    group: FlatParamGroup  # FlatParamGroup
     pieces: list[Piece]
     source: int  # the saved group holding this group's first parameter (optimizer scalars)
     optim_keys: list[str]  # element-wise optimizer state to read ("exp_avg", ...)
@@ -70,12 +74,8 @@ class _RunState:
     counters: tuple[int, int, int]  # global_steps, micro_steps, global_samples
 
 
-def _engine_groups(engine: Any) -> list[Any]:
-    return [g for u in engine.units for g in u.groups]
-
-
-def _check_same_model(engine: Any, saved: dict[str, SavedSlot], saved_class: str, manifest_path: str) -> None:
-    current = {s.name: tuple(s.shape) for g in _engine_groups(engine) for s in g.layout.slots}
+def _check_same_model(engine: EngineState, saved: dict[str, SavedSlot], saved_class: str, manifest_path: str) -> None:
+    current = {s.name: tuple(s.shape) for g in flat_groups(engine) for s in g.layout.slots}
     problems = [f"{n} {shape} is not in the checkpoint" for n, shape in current.items() if n not in saved]
     problems += [f"{n} is {saved[n].shape} in the checkpoint, {shape} in the model"
                  for n, shape in current.items() if n in saved and saved[n].shape != shape]
@@ -88,7 +88,7 @@ def _check_same_model(engine: Any, saved: dict[str, SavedSlot], saved_class: str
         )
 
 
-def _optim_keys(group: Any, saved: dict[str, SavedSlot], manifest: dict[str, Any], manifest_path: str) -> list[str]:
+def _optim_keys(group: FlatParamGroup, saved: dict[str, SavedSlot], manifest: dict[str, Any], manifest_path: str) -> list[str]:
     """The element-wise optimizer state the saved groups feeding ``group`` hold (all the same)."""
     records = manifest["groups"]
     key_sets = set()
@@ -106,7 +106,7 @@ def _optim_keys(group: Any, saved: dict[str, SavedSlot], manifest: dict[str, Any
     return list(key_sets.pop()) if key_sets else []
 
 
-def _check_optimizer(engine: Any, manifest: dict[str, Any], manifest_path: str) -> None:
+def _check_optimizer(engine: EngineState, manifest: dict[str, Any], manifest_path: str) -> None:
     saved = manifest.get("optimizer")
     if saved is None:
         raise CheckpointError(f"{manifest_path}: the checkpoint has no optimizer state; load with load_optimizer_states=False")
@@ -123,7 +123,7 @@ def _check_optimizer(engine: Any, manifest: dict[str, Any], manifest_path: str) 
         )
 
 
-def _plan(engine: Any, load_dir: str | os.PathLike[str], tag: str | None, load_optimizer: bool,
+def _plan(engine: EngineState, load_dir: str | os.PathLike[str], tag: str | None, load_optimizer: bool,
           load_scheduler: bool, module_only: bool) -> _Plan:
     ckpt_dir = resolve_checkpoint_dir(load_dir, tag)
     manifest = read_manifest(ckpt_dir)
@@ -135,14 +135,14 @@ def _plan(engine: Any, load_dir: str | os.PathLike[str], tag: str | None, load_o
     return plan
 
 
-def _plan_reads(engine: Any, ckpt_dir: str, manifest: dict[str, Any], load_optimizer: bool) -> _Plan:
+def _plan_reads(engine: EngineState, ckpt_dir: str, manifest: dict[str, Any], load_optimizer: bool) -> _Plan:
     manifest_path = os.path.join(ckpt_dir, MANIFEST_NAME)
     saved = index_saved_slots(manifest["groups"])
     _check_same_model(engine, saved, manifest["model"]["class"], manifest_path)
     if load_optimizer:
         _check_optimizer(engine, manifest, manifest_path)
     plans = []
-    for group in _engine_groups(engine):
+    for group in flat_groups(engine):
         pieces = plan_pieces(group.layout.slots, group.shard_range, saved)
         keys = _optim_keys(group, saved, manifest, manifest_path) if load_optimizer and group.master is not None else []
         check_streamed_keys(engine, group, keys, manifest_path)
@@ -175,7 +175,7 @@ def _check_files(files: RankFiles, manifest: dict[str, Any], plans: list[_GroupP
         files.check(index, expected[index])
 
 
-def _decode_run_state(engine: Any, manifest: dict[str, Any], load_optimizer: bool, load_scheduler: bool) -> _RunState:
+def _decode_run_state(engine: EngineState, manifest: dict[str, Any], load_optimizer: bool, load_scheduler: bool) -> _RunState:
     hyper = decode_state(manifest["optimizer"]["param_groups"]) if load_optimizer else None
     if hyper is not None and not all(isinstance(h, dict) for h in hyper):
         raise TypeError("optimizer.param_groups must be a list of objects")
@@ -202,7 +202,7 @@ def _try_state(what: str, manifest_path: str, current: Any, apply: Callable[[Any
         apply(current)
 
 
-def _try_run_state(engine: Any, run: _RunState, manifest_path: str) -> None:
+def _try_run_state(engine: EngineState, run: _RunState, manifest_path: str) -> None:
     scheduler = engine.lr_scheduler
     if run.scheduler is not None:
         _try_state("lr_scheduler state", manifest_path, copy.deepcopy(scheduler.state_dict()),
@@ -234,7 +234,7 @@ def _fill(dst: torch.Tensor, pieces: list[Piece], key: str, files: RankFiles) ->
         dst[piece.dst_lo:piece.dst_hi].copy_(data)
 
 
-def _load_parameters(engine: Any, plan: _Plan) -> None:
+def _load_parameters(engine: EngineState, plan: _Plan) -> None:
     for item in plan.groups:
         group = item.group
         if is_streamed(engine, group):  # see [Note: checkpoints of NVMe-offloaded state]
@@ -248,7 +248,7 @@ def _load_parameters(engine: Any, plan: _Plan) -> None:
         item.group.gather_updated_shards()
 
 
-def _load_optimizer(engine: Any, plan: _Plan, hyper_groups: list[dict[str, Any]]) -> None:
+def _load_optimizer(engine: EngineState, plan: _Plan, hyper_groups: list[dict[str, Any]]) -> None:
     inner = engine.optimizer.inner
     for group, hyper in zip(inner.param_groups, hyper_groups):
         group.update({k: v for k, v in hyper.items() if k != "params"})
@@ -273,7 +273,7 @@ def _load_optimizer(engine: Any, plan: _Plan, hyper_groups: list[dict[str, Any]]
         inner.state[master] = state
 
 
-def _load_run_state(engine: Any, run: _RunState) -> None:
+def _load_run_state(engine: EngineState, run: _RunState) -> None:
     scaler = engine.optimizer.loss_scaler if engine.optimizer is not None else None
     if scaler is not None and run.scaler is not None:
         scaler.load_state_dict(run.scaler)
@@ -290,7 +290,7 @@ def _load_run_state(engine: Any, run: _RunState) -> None:
 
 
 def load_checkpoint(
-    engine: Any,
+    engine: EngineState,
     load_dir: str | os.PathLike[str],
     tag: str | None = None,
     load_optimizer_states: bool = True,

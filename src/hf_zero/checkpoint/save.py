@@ -30,10 +30,11 @@ import os
 import secrets
 import shutil
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from hf_zero.checkpoint.engine_state import EngineState, flat_groups
 from hf_zero.checkpoint.errors import CheckpointError
 from hf_zero.checkpoint.manifest import (
     BUFFER_PREFIX, FORMAT, FORMAT_VERSION, LATEST_NAME, MANIFEST_NAME, OPTIM_PREFIX, PARAM_KEY,
@@ -42,6 +43,9 @@ from hf_zero.checkpoint.manifest import (
 )
 from hf_zero.checkpoint.offloaded import is_streamed, streamed_entries
 from hf_zero.checkpoint.safetensors_io import DTYPE_TAGS, TensorEntry, fsync_dir, write_safetensors
+
+if TYPE_CHECKING:
+    from hf_zero.engine.flat_group import FlatParamGroup
 
 logger = logging.getLogger("hf_zero")
 
@@ -55,13 +59,9 @@ class _Prepared:
     data_world_size: int = 1
 
 
-def default_tag(engine: Any) -> str:
+def default_tag(engine: EngineState) -> str:
     """DeepSpeed's default tag."""
     return f"global_step{engine.global_steps}"
-
-
-def _groups(engine: Any) -> list[Any]:
-    return [g for u in engine.units for g in u.groups]
 
 
 def _entry(name: str, tensor: torch.Tensor) -> TensorEntry:
@@ -70,7 +70,7 @@ def _entry(name: str, tensor: torch.Tensor) -> TensorEntry:
     return TensorEntry(name, tensor.dtype, tuple(tensor.shape), lambda t=tensor: t)
 
 
-def _optimizer_state(engine: Any, group: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def _optimizer_state(engine: EngineState, group: FlatParamGroup) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The inner optimizer's state of a group's master, split in element-wise tensors (sharded
     like the master, written to the rank file) and the rest (small, written to the manifest)."""
     if engine.optimizer is None or group.master is None:
@@ -85,7 +85,7 @@ def _optimizer_state(engine: Any, group: Any) -> tuple[dict[str, torch.Tensor], 
     return elementwise, scalars
 
 
-def _group_tensors(engine: Any, group: Any) -> tuple[TensorEntry, list[tuple[str, TensorEntry]], dict[str, Any]]:
+def _group_tensors(engine: EngineState, group: FlatParamGroup) -> tuple[TensorEntry, list[tuple[str, TensorEntry]], dict[str, Any]]:
     """A group's parameter entry (its fp32 master, or a frozen group's compute shard), its
     element-wise optimizer entries and its optimizer scalars."""
     if is_streamed(engine, group):  # see [Note: checkpoints of NVMe-offloaded state]
@@ -96,9 +96,9 @@ def _group_tensors(engine: Any, group: Any) -> tuple[TensorEntry, list[tuple[str
     return _entry(tensor_name(group.label, PARAM_KEY), data), optim, scalars
 
 
-def _group_records(engine: Any) -> tuple[list[TensorEntry], list[dict[str, Any]]]:
+def _group_records(engine: EngineState) -> tuple[list[TensorEntry], list[dict[str, Any]]]:
     entries, records = [], []
-    for group, layout in zip(_groups(engine), engine.layout()):
+    for group, layout in zip(flat_groups(engine), engine.layout()):
         param, optim, scalars = _group_tensors(engine, group)
         label = group.label
         tensors = {PARAM_KEY: DTYPE_TAGS.get(param.dtype, str(param.dtype))}
@@ -112,7 +112,7 @@ def _group_records(engine: Any) -> tuple[list[TensorEntry], list[dict[str, Any]]
     return entries, records
 
 
-def _run_state(engine: Any) -> dict[str, Any]:
+def _run_state(engine: EngineState) -> dict[str, Any]:
     optimizer = engine.optimizer
     scheduler = engine.lr_scheduler
     scaler = optimizer.loss_scaler if optimizer is not None else None
@@ -133,7 +133,7 @@ def _run_state(engine: Any) -> dict[str, Any]:
     }
 
 
-def _prepare(engine: Any, tag: str, client_state: Any) -> _Prepared:
+def _prepare(engine: EngineState, tag: str, client_state: Any) -> _Prepared:
     check_tag(tag)
     check_plain_json(client_state)
     entries, records = _group_records(engine)
@@ -240,7 +240,7 @@ def _publish(save_dir: str, tmp_dir: str, tag: str, save_id: str) -> str:
     return final
 
 
-def save_checkpoint(engine: Any, save_dir: str | os.PathLike[str], tag: str | None = None,
+def save_checkpoint(engine: EngineState, save_dir: str | os.PathLike[str], tag: str | None = None,
                     client_state: Any = None) -> str:
     """Write ``save_dir/<tag>/`` (default tag ``global_step<N>``) and ``save_dir/latest``; see
     [Note: atomic save]. Every rank must call it. Returns the checkpoint directory."""
@@ -302,7 +302,7 @@ def _make_tmp_dir(comm: Any, save_dir: str, tag: str) -> tuple[str, str]:
     return os.path.join(save_dir, f".{tag}.tmp-{save_id}"), save_id
 
 
-def _write_files(engine: Any, prepared: _Prepared, tmp_dir: str, tag: str, save_id: str) -> list[dict[str, Any]]:
+def _write_files(engine: EngineState, prepared: _Prepared, tmp_dir: str, tag: str, save_id: str) -> list[dict[str, Any]]:
     count = prepared.data_world_size
     name = rank_file_name(engine.rank, count) if engine.rank < count else None
     record, local_error = None, None
@@ -321,7 +321,7 @@ def _write_files(engine: Any, prepared: _Prepared, tmp_dir: str, tag: str, save_
     return [o["record"] for o in outcomes[:count]]
 
 
-def _finish(engine: Any, prepared: _Prepared, save_dir: str, tmp_dir: str, tag: str, save_id: str,
+def _finish(engine: EngineState, prepared: _Prepared, save_dir: str, tmp_dir: str, tag: str, save_id: str,
             files: list[dict[str, Any]], rng_states: list[Any]) -> str:
     final, local_error = os.path.join(save_dir, tag), None
     if engine.rank == 0:
