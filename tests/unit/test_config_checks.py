@@ -61,11 +61,13 @@ def test_a_doubtful_value_is_a_warning_naming_the_key_and_the_fix(tmp_path, caps
     assert code == 0 and f"warning: {key}" in said and "Fix:" in said and "1 warning above" in said, said
 
 
-def test_nvme_path_a_file_is_an_error_and_missing_a_warning(tmp_path, capsys):
+def test_nvme_path_a_file_or_missing_is_a_warning(tmp_path, capsys):
+    """Warnings, not errors: check-config may run on another machine than training (which
+    raises FileNotFoundError at initialize)."""
     a_file = tmp_path / "not_a_dir"
     a_file.write_text("")
     code, said = _check(tmp_path, _nvme(str(a_file)), capsys)
-    assert code == 1 and "nvme_path" in said and "is a file" in said
+    assert code == 0 and "warning: zero_optimization.offload_optimizer.nvme_path" in said and "is a file" in said
     code, said = _check(tmp_path, _nvme(str(tmp_path / "missing")), capsys)
     assert code == 0 and "does not exist on this machine" in said
 

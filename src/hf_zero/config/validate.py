@@ -323,9 +323,6 @@ def _check_offload_section(name: str, section: dict[str, Any], stage: int | None
     if device == "nvme" and section.get("nvme_path") is None:
         fix = "set nvme_path to a directory on the NVMe drive"
         problems.add(f"{path}.nvme_path", MISSING, "device 'nvme' needs nvme_path", fix)
-    elif device == "nvme" and isinstance(section.get("nvme_path"), str) and os.path.isfile(section["nvme_path"]):
-        problems.add(f"{path}.nvme_path", section["nvme_path"], "is a file; offload writes its files into a directory",
-                     "point nvme_path at a directory on the NVMe drive")
     if device not in ("cpu", "nvme") or stage is None:
         return
     buffers = _int(section.get("buffer_count", 5))
@@ -447,7 +444,10 @@ def config_warnings(root: dict[str, Any]) -> list[str]:
         section = zero.get(name)
         if isinstance(section, dict) and section.get("device") == "nvme" and isinstance(section.get("nvme_path"), str):
             path = section["nvme_path"]
-            if not os.path.exists(path):
+            if os.path.isfile(path):  # a warning: the config may be checked on another machine than the run's
+                found.append(f"zero_optimization.{name}.nvme_path = {path!r} is a file on this machine; offload writes "
+                             "its files into a directory. Fix: point nvme_path at a directory on the NVMe drive")
+            elif not os.path.exists(path):
                 found.append(f"zero_optimization.{name}.nvme_path = {path!r} does not exist on this machine. Fix: create "
                              "it on every machine before training, or point it at a directory on the NVMe drive")
     return found
