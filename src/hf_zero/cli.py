@@ -40,7 +40,13 @@ def _check_config(args: argparse.Namespace, rest: list[str]) -> int:
     except HfZeroConfigError as error:
         print(error, file=sys.stderr)
         return 1
-    print(f"{args.path}: valid. Still \"auto\": {config.auto_keys() or 'nothing'}")
+    from hf_zero.config.validate import config_warnings
+
+    warnings = config_warnings(config.to_dict())
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    note = f" ({len(warnings)} warning{'s' if len(warnings) != 1 else ''} above)" if warnings else ""
+    print(f"{args.path}: valid{note}. Still \"auto\": {config.auto_keys() or 'nothing'}")
     return 0
 
 

@@ -70,3 +70,67 @@ def test_export_of_a_missing_checkpoint_fails_clearly(tmp_path):
     assert done.returncode == 1
     assert "global_step7" in done.stderr and "no checkpoint with tag" in done.stderr
     assert not (tmp_path / "out").exists()
+
+
+def _snapshot(path) -> dict[str, bytes]:
+    return {name: (path / name).read_bytes() for name in sorted(os.listdir(path))}
+
+
+def _mount_tmpfs(path, size_bytes: int) -> bool:
+    path.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(path)],
+                          capture_output=True, text=True)
+    return done.returncode == 0
+
+
+def test_export_into_a_full_disk_keeps_the_previous_export(checkpoint, tmp_path):
+    """A real full disk: a tmpfs with room for one export, not two (the new export is written
+    beside the old one). Where mounting is not allowed, a file-size limit (RLIMIT_FSIZE) makes
+    the writes fail instead (EFBIG)."""
+    import resource
+    import signal
+
+    from hf_zero.checkpoint import export_hf_model
+
+    save_dir, _ = checkpoint
+    probe = tmp_path / "probe"
+    export_hf_model(save_dir, probe)
+    pages = sum(-(-os.path.getsize(probe / n) // 4096) for n in os.listdir(probe))
+    disk = tmp_path / "disk"
+    mounted = _mount_tmpfs(disk, int(1.5 * pages + 1) * 4096)
+    limit = None if mounted else os.path.getsize(probe / "model.safetensors") // 2
+
+    def small_files() -> None:
+        if limit is not None:
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    try:
+        out = disk / "model"
+        export_hf_model(save_dir, out)
+        (out / "tokenizer.json").write_text("{}")  # a file export does not write: carried over, kept
+        before = _snapshot(out)
+        second = subprocess.run([*_hf_zero(), "export", save_dir, str(out), "--dtype", "fp32"],
+                                capture_output=True, text=True, preexec_fn=small_files)
+        assert second.returncode == 1
+        assert "Traceback" not in second.stderr
+        assert ("No space left on device" if mounted else "File too large") in second.stderr, second.stderr
+        assert "the previous export there is untouched" in second.stderr
+        assert _snapshot(out) == before
+        assert sorted(os.listdir(disk)) == ["model"]  # no staging folder left
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_exporting_again_replaces_the_weights_and_keeps_other_files(checkpoint, tmp_path):
+    from hf_zero.checkpoint import export_hf_model
+
+    save_dir, _ = checkpoint
+    out = tmp_path / "hf"
+    export_hf_model(save_dir, out, max_shard_size="10KB")
+    (out / "tokenizer.json").write_text("{}")
+    export_hf_model(save_dir, out, dtype="bf16")
+    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json"]
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    assert sorted(os.listdir(tmp_path)) == ["hf"]

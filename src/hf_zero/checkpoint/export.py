@@ -26,11 +26,12 @@ import torch
 
 from hf_zero.checkpoint.errors import CheckpointError
 from hf_zero.checkpoint.manifest import (
-    BUFFER_PREFIX, PARAM_KEY, read_manifest, resolve_checkpoint_dir, tensor_name,
+    BUFFER_PREFIX, PARAM_KEY, manifest_errors, read_manifest, resolve_checkpoint_dir, tensor_name,
 )
-from hf_zero.checkpoint.reader import RankFiles
+from hf_zero.checkpoint.reader import RankFiles, check_every_tensor
 from hf_zero.checkpoint.reshard import SavedSlot, index_saved_slots, plan_pieces
 from hf_zero.checkpoint.safetensors_io import TensorEntry, write_safetensors
+from hf_zero.checkpoint.staging import staged_directory
 
 logger = logging.getLogger("hf_zero")
 
@@ -38,6 +39,7 @@ EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.fl
 _SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 _SHARD_RE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
+_EXPORT_FILES = {"model.safetensors.index.json", "config.json", "generation_config.json"}
 
 
 def parse_size(size: int | str) -> int:
@@ -106,6 +108,8 @@ def _plan_entries(manifest: dict[str, Any], streamer: _Streamer, dtype: torch.dt
 
 
 def _check_rank_files(files: RankFiles, manifest: dict[str, Any]) -> None:
+    """Every tensor of every rank file verified (see [Note: verified loads]), and the ones
+    export reads present with the manifest's sizes."""
     expected: dict[int, dict[str, int]] = {}
     for record in manifest["groups"]:
         shard_numel = record["padded_numel"] // record["world_size"]
@@ -116,6 +120,7 @@ def _check_rank_files(files: RankFiles, manifest: dict[str, Any]) -> None:
         expected.setdefault(0, {}).update({BUFFER_PREFIX + b["name"]: _numel(b["shape"]) for b in buffers})
     for index in sorted(expected):
         files.check(index, expected[index])
+    check_every_tensor(files, range(len(manifest["files"])))
 
 
 def _numel(shape: list[int]) -> int:
@@ -153,17 +158,10 @@ def _write_config(out_dir: str, manifest: dict[str, Any], dtype: torch.dtype) ->
 
 
 def _write_json(path: str, data: Any) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as handle:
+    with open(path, "w", encoding="utf-8") as handle:
         handle.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
-
-
-def _remove_stale_weights(out_dir: str, keep: set[str]) -> None:
-    for name in os.listdir(out_dir):
-        stale = _SHARD_RE.match(name) or name == "model.safetensors.index.json"
-        if stale and name not in keep:
-            os.remove(os.path.join(out_dir, name))
+        handle.flush()
+        os.fsync(handle.fileno())
 
 
 def export_hf_model(
@@ -177,36 +175,51 @@ def export_hf_model(
     shards plus ``model.safetensors.index.json``) from the checkpoint ``ckpt_dir`` (a save
     directory with ``latest``, or one checkpoint directory) without the model's code and without
     holding more than one parameter in memory (see [Note: streamed export]). ``dtype`` is
-    "fp32", "bf16" or "fp16". Returns ``out_dir``."""
+    "fp32", "bf16" or "fp16". An existing ``out_dir`` is replaced only once the new export is
+    complete (see [Note: staged export]). Returns ``out_dir``."""
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"dtype {dtype!r}: expected one of {sorted(EXPORT_DTYPES)}")
     torch_dtype = EXPORT_DTYPES[dtype]
     source = resolve_checkpoint_dir(ckpt_dir, tag)
     manifest = read_manifest(source)
     files = RankFiles(source, manifest)
-    _check_rank_files(files, manifest)
-    streamer = _Streamer(files, index_saved_slots(manifest["groups"]))
-    shards = _split(_plan_entries(manifest, streamer, torch_dtype), parse_size(max_shard_size))
+    with manifest_errors(source):
+        _check_rank_files(files, manifest)
+        streamer = _Streamer(files, index_saved_slots(manifest["groups"]))
+        entries = _plan_entries(manifest, streamer, torch_dtype)
+    shards = _split(entries, parse_size(max_shard_size))
     out_dir = os.path.abspath(os.fspath(out_dir))
     if os.path.abspath(source).startswith(out_dir + os.sep) or os.path.abspath(source) == out_dir:
         raise CheckpointError(f"{out_dir}: the export directory contains the checkpoint {source}; choose another")
-    os.makedirs(out_dir, exist_ok=True)
-    names = (["model.safetensors"] if len(shards) == 1
-             else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-    _remove_stale_weights(out_dir, set())
     try:
-        for name, entries in zip(names, shards):
-            tmp = os.path.join(out_dir, f".{name}.tmp")
-            write_safetensors(tmp, entries, {"format": "pt"})
-            os.replace(tmp, os.path.join(out_dir, name))
+        with staged_directory(out_dir, _produced_by_export) as staging:
+            _write_export(staging, shards, manifest, torch_dtype)
+    except OSError as exc:  # a full disk, a read-only mount: see [Note: staged export]
+        raise CheckpointError(
+            f"export to {out_dir} failed: {exc.strerror or exc} ({type(exc).__name__}); "
+            f"{'the previous export there is untouched' if os.path.isdir(out_dir) else 'nothing was written'} "
+            "and the partial files were removed (the new export is written beside the old one, so it needs "
+            "room for both)"
+        ) from exc
     finally:
         files.close()
+    return out_dir
+
+
+def _produced_by_export(name: str) -> bool:
+    """Entries of a previous export that a new one replaces (other files are carried over)."""
+    return bool(_SHARD_RE.match(name)) or name in _EXPORT_FILES
+
+
+def _write_export(out_dir: str, shards: list[list[TensorEntry]], manifest: dict[str, Any], dtype: torch.dtype) -> None:
+    names = (["model.safetensors"] if len(shards) == 1
+             else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    for name, entries in zip(names, shards):
+        write_safetensors(os.path.join(out_dir, name), entries, {"format": "pt"})
     if len(shards) > 1:
         weight_map = {e.name: name for name, entries in zip(names, shards) for e in entries}
         total = sum(e.nbytes for entries in shards for e in entries)
         params = sum(s["numel"] for record in manifest["groups"] for s in record["slots"])
         _write_json(os.path.join(out_dir, "model.safetensors.index.json"),
                     {"metadata": {"total_size": total, "total_parameters": params}, "weight_map": weight_map})
-    _write_config(out_dir, manifest, torch_dtype)
-    return out_dir
-
+    _write_config(out_dir, manifest, dtype)

@@ -3,28 +3,31 @@
 [Note: checked, then applied]
 Loading runs in two phases. The first only reads: it resolves the tag, reads the manifest,
 checks that the checkpoint holds this model (every parameter name and shape), plans which
-slices of which rank files fill this rank's shards (see [Note: resharding by name]) and checks
-every file it will read (present, the recorded size, a readable header, the same save, the
-expected tensors). All ranks then exchange their outcome, so a problem seen by one rank is
-raised by every rank, and the engine is untouched. Only then does the second phase copy data
-in: masters (or, for frozen groups, the compute shards), the 16-bit compute shards cast from the
+slices of which rank files fill this rank's shards (see [Note: resharding by name]), verifies
+every tensor it will read (see [Note: verified loads]) and decodes the run state (optimizer
+hyperparameters and scalars, scheduler, loss scaler, RNG), trying the scheduler, scaler and RNG
+states on their objects and putting the current ones back, so a state they refuse is found
+here. All ranks then exchange their outcome, so a problem seen by one rank is raised by every
+rank, and the engine is untouched. Only then does the second phase copy data in: masters (or, for frozen groups, the compute shards), the 16-bit compute shards cast from the
 loaded masters, the full parameters re-gathered for stages 0-2 and persistent groups, the
 optimizer state, buffers, scheduler, loss scaler, counters and RNG states.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from hf_zero.checkpoint.engine_state import EngineState, flat_groups
 from hf_zero.checkpoint.errors import CheckpointError
 from hf_zero.checkpoint.manifest import (
-    BUFFER_PREFIX, MANIFEST_NAME, OPTIM_PREFIX, PARAM_KEY, decode_state, persistent_buffers,
-    read_manifest, resolve_checkpoint_dir, restore_rng, tensor_name,
+    BUFFER_PREFIX, MANIFEST_NAME, OPTIM_PREFIX, PARAM_KEY, capture_rng, decode_state, manifest_errors,
+    persistent_buffers, read_manifest, resolve_checkpoint_dir, restore_rng, tensor_name,
 )
 from hf_zero.checkpoint.offloaded import (
     check_streamed_keys, is_streamed, load_streamed_optimizer, load_streamed_parameters,
@@ -33,15 +36,20 @@ from hf_zero.checkpoint.reader import RankFiles
 from hf_zero.checkpoint.reshard import Piece, SavedSlot, index_saved_slots, plan_pieces
 from hf_zero.checkpoint.safetensors_io import TAG_DTYPES
 
+if TYPE_CHECKING:
+    from hf_zero.engine.flat_group import FlatParamGroup
+
 logger = logging.getLogger("hf_zero")
 
 
 @dataclass
 class _GroupPlan:
-    group: Any  # FlatParamGroup
+    group: FlatParamGroup  # FlatParamGroup
     pieces: list[Piece]
     source: int  # the saved group holding this group's first parameter (optimizer scalars)
     optim_keys: list[str]  # element-wise optimizer state to read ("exp_avg", ...)
+    optim_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    optim_scalars: dict[str, Any] = field(default_factory=dict)  # decoded from the manifest
 
 
 @dataclass
@@ -52,14 +60,22 @@ class _Plan:
     groups: list[_GroupPlan]
     load_optimizer: bool
     buffers: list[tuple[str, torch.Tensor]]
+    run_state: "_RunState | None" = None  # None with load_module_only
 
 
-def _engine_groups(engine: Any) -> list[Any]:
-    return [g for u in engine.units for g in u.groups]
+@dataclass
+class _RunState:
+    """The run state of a checkpoint, decoded and tried before anything is applied."""
+
+    hyper: list[dict[str, Any]] | None  # the optimizer's param group hyperparameters
+    scheduler: dict[str, Any] | None
+    scaler: dict[str, Any] | None
+    rng: Any  # this rank's saved RNG state, or None
+    counters: tuple[int, int, int]  # global_steps, micro_steps, global_samples
 
 
-def _check_same_model(engine: Any, saved: dict[str, SavedSlot], saved_class: str, manifest_path: str) -> None:
-    current = {s.name: tuple(s.shape) for g in _engine_groups(engine) for s in g.layout.slots}
+def _check_same_model(engine: EngineState, saved: dict[str, SavedSlot], saved_class: str, manifest_path: str) -> None:
+    current = {s.name: tuple(s.shape) for g in flat_groups(engine) for s in g.layout.slots}
     problems = [f"{n} {shape} is not in the checkpoint" for n, shape in current.items() if n not in saved]
     problems += [f"{n} is {saved[n].shape} in the checkpoint, {shape} in the model"
                  for n, shape in current.items() if n in saved and saved[n].shape != shape]
@@ -72,7 +88,7 @@ def _check_same_model(engine: Any, saved: dict[str, SavedSlot], saved_class: str
         )
 
 
-def _optim_keys(group: Any, saved: dict[str, SavedSlot], manifest: dict[str, Any], manifest_path: str) -> list[str]:
+def _optim_keys(group: FlatParamGroup, saved: dict[str, SavedSlot], manifest: dict[str, Any], manifest_path: str) -> list[str]:
     """The element-wise optimizer state the saved groups feeding ``group`` hold (all the same)."""
     records = manifest["groups"]
     key_sets = set()
@@ -90,7 +106,7 @@ def _optim_keys(group: Any, saved: dict[str, SavedSlot], manifest: dict[str, Any
     return list(key_sets.pop()) if key_sets else []
 
 
-def _check_optimizer(engine: Any, manifest: dict[str, Any], manifest_path: str) -> None:
+def _check_optimizer(engine: EngineState, manifest: dict[str, Any], manifest_path: str) -> None:
     saved = manifest.get("optimizer")
     if saved is None:
         raise CheckpointError(f"{manifest_path}: the checkpoint has no optimizer state; load with load_optimizer_states=False")
@@ -107,21 +123,36 @@ def _check_optimizer(engine: Any, manifest: dict[str, Any], manifest_path: str) 
         )
 
 
-def _plan(engine: Any, load_dir: str | os.PathLike[str], tag: str | None, load_optimizer: bool) -> _Plan:
+def _plan(engine: EngineState, load_dir: str | os.PathLike[str], tag: str | None, load_optimizer: bool,
+          load_scheduler: bool, module_only: bool) -> _Plan:
     ckpt_dir = resolve_checkpoint_dir(load_dir, tag)
     manifest = read_manifest(ckpt_dir)
+    with manifest_errors(ckpt_dir):
+        plan = _plan_reads(engine, ckpt_dir, manifest, load_optimizer)
+        if not module_only:
+            plan.run_state = _decode_run_state(engine, manifest, load_optimizer, load_scheduler)
+            _try_run_state(engine, plan.run_state, os.path.join(ckpt_dir, MANIFEST_NAME))
+    return plan
+
+
+def _plan_reads(engine: EngineState, ckpt_dir: str, manifest: dict[str, Any], load_optimizer: bool) -> _Plan:
     manifest_path = os.path.join(ckpt_dir, MANIFEST_NAME)
     saved = index_saved_slots(manifest["groups"])
     _check_same_model(engine, saved, manifest["model"]["class"], manifest_path)
     if load_optimizer:
         _check_optimizer(engine, manifest, manifest_path)
     plans = []
-    for group in _engine_groups(engine):
+    for group in flat_groups(engine):
         pieces = plan_pieces(group.layout.slots, group.shard_range, saved)
         keys = _optim_keys(group, saved, manifest, manifest_path) if load_optimizer and group.master is not None else []
         check_streamed_keys(engine, group, keys, manifest_path)
         source = saved[group.layout.slots[0].name].group_index
-        plans.append(_GroupPlan(group, pieces, source, keys))
+        record = manifest["groups"][source]
+        dtypes = {key: TAG_DTYPES[record["tensors"][OPTIM_PREFIX + key]] for key in keys}
+        scalars = decode_state(record.get("optimizer_scalars") or {}) if keys else {}
+        if not isinstance(scalars, dict):
+            raise CheckpointError(f"{manifest_path}: optimizer_scalars of {record['group']} is not an object")
+        plans.append(_GroupPlan(group, pieces, source, keys, dtypes, scalars))
     saved_buffers = {b["name"] for b in manifest["model"].get("buffers", [])}
     buffers = [(n, b) for n, b in persistent_buffers(engine.module) if n in saved_buffers]
     files = RankFiles(ckpt_dir, manifest)
@@ -144,6 +175,46 @@ def _check_files(files: RankFiles, manifest: dict[str, Any], plans: list[_GroupP
         files.check(index, expected[index])
 
 
+def _decode_run_state(engine: EngineState, manifest: dict[str, Any], load_optimizer: bool, load_scheduler: bool) -> _RunState:
+    hyper = decode_state(manifest["optimizer"]["param_groups"]) if load_optimizer else None
+    if hyper is not None and not all(isinstance(h, dict) for h in hyper):
+        raise TypeError("optimizer.param_groups must be a list of objects")
+    saved_scheduler = manifest.get("lr_scheduler")
+    scheduler = None
+    if load_scheduler and engine.lr_scheduler is not None and saved_scheduler is not None:
+        if saved_scheduler["class"] != type(engine.lr_scheduler).__name__:
+            logger.warning("hf_zero: loading %s state into a %s", saved_scheduler["class"], type(engine.lr_scheduler).__name__)
+        scheduler = decode_state(saved_scheduler["state"])
+    saved_scaler = manifest.get("loss_scaler")
+    scaler = decode_state(saved_scaler["state"]) if saved_scaler is not None else None
+    rng = manifest.get("rng") or []
+    counters = (int(manifest["global_steps"]), int(manifest["micro_steps"]), int(manifest["global_samples"]))
+    return _RunState(hyper, scheduler, scaler, rng[engine.rank] if engine.rank < len(rng) else None, counters)
+
+
+def _try_state(what: str, manifest_path: str, current: Any, apply: Callable[[Any], None], saved: Any) -> None:
+    """Apply ``saved`` then put ``current`` back: a state the object refuses is found now."""
+    try:
+        apply(saved)
+    except Exception as exc:
+        raise CheckpointError(f"{manifest_path}: the saved {what} does not load ({type(exc).__name__}: {exc})") from exc
+    finally:
+        apply(current)
+
+
+def _try_run_state(engine: EngineState, run: _RunState, manifest_path: str) -> None:
+    scheduler = engine.lr_scheduler
+    if run.scheduler is not None:
+        _try_state("lr_scheduler state", manifest_path, copy.deepcopy(scheduler.state_dict()),
+                   scheduler.load_state_dict, run.scheduler)
+    scaler = engine.optimizer.loss_scaler if engine.optimizer is not None else None
+    if scaler is not None and run.scaler is not None:
+        _try_state("loss scaler state", manifest_path, copy.deepcopy(scaler.state_dict()),
+                   scaler.load_state_dict, run.scaler)
+    if run.rng is not None:
+        _try_state(f"RNG state of rank {engine.rank}", manifest_path, capture_rng(), restore_rng, run.rng)
+
+
 def _agree(comm: Any, local: CheckpointError | None) -> None:
     """Every rank raises if any rank found a problem (the local error's class where there is one)."""
     outcomes = comm.all_gather_objects(str(local) if local is not None else None)
@@ -163,7 +234,7 @@ def _fill(dst: torch.Tensor, pieces: list[Piece], key: str, files: RankFiles) ->
         dst[piece.dst_lo:piece.dst_hi].copy_(data)
 
 
-def _load_parameters(engine: Any, plan: _Plan) -> None:
+def _load_parameters(engine: EngineState, plan: _Plan) -> None:
     for item in plan.groups:
         group = item.group
         if is_streamed(engine, group):  # see [Note: checkpoints of NVMe-offloaded state]
@@ -177,60 +248,49 @@ def _load_parameters(engine: Any, plan: _Plan) -> None:
         item.group.gather_updated_shards()
 
 
-def _load_optimizer(engine: Any, plan: _Plan) -> None:
+def _load_optimizer(engine: EngineState, plan: _Plan, hyper_groups: list[dict[str, Any]]) -> None:
     inner = engine.optimizer.inner
-    for group, hyper in zip(inner.param_groups, decode_state(plan.manifest["optimizer"]["param_groups"])):
+    for group, hyper in zip(inner.param_groups, hyper_groups):
         group.update({k: v for k, v in hyper.items() if k != "params"})
-    records = plan.manifest["groups"]
     for item in plan.groups:
         master = item.group.master
         if master is None:
             continue
-        source = records[item.source]
         if is_streamed(engine, item.group):
-            scalars = decode_state(source["optimizer_scalars"]) if item.optim_keys else {}
-            load_streamed_optimizer(engine, item.group, item.pieces, item.optim_keys, scalars, plan.files)
+            load_streamed_optimizer(engine, item.group, item.pieces, item.optim_keys, item.optim_scalars, plan.files)
             continue
         if not item.optim_keys:  # saved before the first optimizer step
             inner.state.pop(master, None)
             continue
         state: dict[str, Any] = {}
         for key in item.optim_keys:
-            dtype = TAG_DTYPES[source["tensors"][OPTIM_PREFIX + key]]
-            state[key] = torch.zeros(master.shape, dtype=dtype, device=master.device)
+            state[key] = torch.zeros(master.shape, dtype=item.optim_dtypes[key], device=master.device)
             _fill(state[key], item.pieces, OPTIM_PREFIX + key, plan.files)
-        for key, value in decode_state(source["optimizer_scalars"]).items():
+        for key, value in item.optim_scalars.items():
             # torch keeps Adam's 0-d "step" on the CPU (unless capturable); other tensors follow the master
             moved = isinstance(value, torch.Tensor) and key != "step"
             state[key] = value.to(master.device) if moved else value
         inner.state[master] = state
 
 
-def _load_run_state(engine: Any, manifest: dict[str, Any], load_scheduler: bool) -> None:
+def _load_run_state(engine: EngineState, run: _RunState) -> None:
     scaler = engine.optimizer.loss_scaler if engine.optimizer is not None else None
-    saved_scaler = manifest.get("loss_scaler")
-    if scaler is not None and saved_scaler is not None:
-        scaler.load_state_dict(decode_state(saved_scaler["state"]))
-    elif scaler is not None or saved_scaler is not None:
+    if scaler is not None and run.scaler is not None:
+        scaler.load_state_dict(run.scaler)
+    elif scaler is not None or run.scaler is not None:
         logger.info("hf_zero: loss scaler state %s; the engine's scaler starts fresh",
-                    "absent from the checkpoint" if saved_scaler is None else "saved but the engine runs without fp16")
-    saved_scheduler = manifest.get("lr_scheduler")
-    if load_scheduler and engine.lr_scheduler is not None and saved_scheduler is not None:
-        if saved_scheduler["class"] != type(engine.lr_scheduler).__name__:
-            logger.warning("hf_zero: loading %s state into a %s", saved_scheduler["class"], type(engine.lr_scheduler).__name__)
-        engine.lr_scheduler.load_state_dict(decode_state(saved_scheduler["state"]))
-    engine.global_steps = int(manifest["global_steps"])
-    engine.micro_steps = int(manifest["micro_steps"])
-    engine.global_samples = int(manifest["global_samples"])
-    rng = manifest.get("rng") or []
-    if engine.rank < len(rng):
-        restore_rng(rng[engine.rank])
-    elif rng:
-        logger.info("hf_zero: rank %d has no saved RNG state (saved with %d ranks); it keeps its own", engine.rank, len(rng))
+                    "absent from the checkpoint" if run.scaler is None else "saved but the engine runs without fp16")
+    if run.scheduler is not None:
+        engine.lr_scheduler.load_state_dict(run.scheduler)
+    engine.global_steps, engine.micro_steps, engine.global_samples = run.counters
+    if run.rng is not None:
+        restore_rng(run.rng)
+    else:
+        logger.info("hf_zero: rank %d has no saved RNG state; it keeps its own", engine.rank)
 
 
 def load_checkpoint(
-    engine: Any,
+    engine: EngineState,
     load_dir: str | os.PathLike[str],
     tag: str | None = None,
     load_optimizer_states: bool = True,
@@ -248,7 +308,7 @@ def load_checkpoint(
     load_optimizer = load_optimizer_states and not load_module_only and engine.optimizer is not None
     plan, local_error = None, None
     try:
-        plan = _plan(engine, load_dir, tag, load_optimizer)
+        plan = _plan(engine, load_dir, tag, load_optimizer, load_lr_scheduler_states, load_module_only)
     except CheckpointError as exc:
         local_error = exc
     _agree(engine.comm, local_error)
@@ -259,10 +319,10 @@ def load_checkpoint(
             _load_parameters(engine, plan)
             for name, buf in plan.buffers:
                 buf.copy_(plan.files.read(0, BUFFER_PREFIX + name))
-            if load_optimizer:
-                _load_optimizer(engine, plan)
-        if not load_module_only:
-            _load_run_state(engine, plan.manifest, load_lr_scheduler_states)
+            if load_optimizer and plan.run_state is not None:
+                _load_optimizer(engine, plan, plan.run_state.hyper or [])
+        if plan.run_state is not None:
+            _load_run_state(engine, plan.run_state)
     finally:
         plan.files.close()
     return plan.ckpt_dir, plan.manifest.get("client_state", {})

@@ -9,11 +9,12 @@ JSON (no pickle anywhere), readable by ``json.load`` and by a person.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import random
 import re
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -21,7 +22,7 @@ from torch import nn
 from hf_zero.checkpoint.errors import CheckpointError, CheckpointNotFoundError
 
 FORMAT = "hf_zero.checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: per-tensor dtype, shape and SHA-256 in "files"; rank and world size in each file
 MANIFEST_NAME = "manifest.json"
 LATEST_NAME = "latest"
 BUFFER_PREFIX = "buffer/"
@@ -279,9 +280,73 @@ def read_manifest(ckpt_dir: str) -> dict[str, Any]:
     missing = [k for k in _REQUIRED if k not in manifest]
     if missing:
         raise CheckpointError(f"{path}: manifest lacks {missing}")
-    if manifest["format_version"] > FORMAT_VERSION:
+    if not isinstance(manifest["format_version"], int) or manifest["format_version"] > FORMAT_VERSION:
         raise CheckpointError(
-            f"{path}: format version {manifest['format_version']} is newer than this hf_zero reads "
-            f"({FORMAT_VERSION}); upgrade hf_zero"
+            f"{path}: format version {manifest['format_version']!r} is not one this hf_zero reads "
+            f"(1 to {FORMAT_VERSION}); upgrade hf_zero"
         )
+    problems = structure_problems(manifest)
+    if problems:
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise CheckpointError(f"{path}: malformed manifest (edited by hand or damaged): {shown}")
     return manifest
+
+
+def _is_int(value: Any, low: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def _group_problems(index: int, group: Any, file_count: int) -> list[str]:
+    where = f"groups[{index}]"
+    if not isinstance(group, dict):
+        return [f"{where} is not an object"]
+    kinds = {"group": str, "trainable": bool, "slots": list, "tensors": dict}
+    problems = [f"{where}.{key} is missing or not a {kind.__name__}"
+                for key, kind in kinds.items() if not isinstance(group.get(key), kind)]
+    world, padded = group.get("world_size"), group.get("padded_numel")
+    if not _is_int(world, 1) or not _is_int(padded):
+        return problems + [f"{where}: world_size {world!r} / padded_numel {padded!r} are not counts"]
+    if world != file_count:
+        problems.append(f"{where}.world_size is {world}, but the manifest lists {file_count} rank files")
+    if padded % world:
+        problems.append(f"{where}.padded_numel {padded} does not split in {world} equal shards")
+    for k, slot in enumerate(group.get("slots") if isinstance(group.get("slots"), list) else []):
+        ok = (isinstance(slot, dict) and isinstance(slot.get("name"), str) and isinstance(slot.get("shape"), list)
+              and _is_int(slot.get("offset")) and _is_int(slot.get("numel")))
+        if not ok or slot["offset"] + slot["numel"] > padded:
+            problems.append(f"{where}.slots[{k}] is malformed or lies outside the group ({slot!r:.80})")
+    return problems
+
+
+def structure_problems(manifest: dict[str, Any]) -> list[str]:
+    """What makes a manifest unusable before any file is opened: wrong types, counts that
+    disagree, slots outside their group (a hand edit, a half-written copy)."""
+    files, groups = manifest["files"], manifest["groups"]
+    if not isinstance(files, list) or not all(
+            isinstance(f, dict) and isinstance(f.get("name"), str) and _is_int(f.get("bytes")) for f in files):
+        return ["files must be a list of {\"name\", \"bytes\"} objects"]
+    if not isinstance(groups, list):
+        return ["groups must be a list"]
+    if manifest["format_version"] >= 2 and not all(isinstance(f.get("tensors"), dict) for f in files):
+        return ["files[*].tensors (dtype, shape, sha256 of each tensor) is missing"]
+    problems = []
+    for index, group in enumerate(groups):
+        problems += _group_problems(index, group, len(files) if groups else 0)
+    if not isinstance(manifest["model"], dict) or not isinstance(manifest["model"].get("class"), str):
+        problems.append("model.class is missing")
+    return problems
+
+
+@contextlib.contextmanager
+def manifest_errors(ckpt_dir: str) -> Iterator[None]:
+    """Inside the block, a manifest that does not hold what it should (a key missing, a value of
+    the wrong type) raises a :class:`CheckpointError` naming it instead of a bare KeyError."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+        raise CheckpointError(
+            f"{os.path.join(ckpt_dir, MANIFEST_NAME)}: malformed manifest (edited by hand or damaged): "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc

@@ -16,10 +16,11 @@ and a checkpoint saved with NVMe offload loads without it, at another world size
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
+from hf_zero.checkpoint.engine_state import EngineState
 from hf_zero.checkpoint.errors import CheckpointError
 from hf_zero.checkpoint.manifest import OPTIM_PREFIX, PARAM_KEY, tensor_name
 from hf_zero.checkpoint.reshard import Piece
@@ -27,8 +28,11 @@ from hf_zero.checkpoint.safetensors_io import TensorEntry
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
+if TYPE_CHECKING:
+    from hf_zero.engine.flat_group import FlatParamGroup
 
-def _store(engine: Any, group: Any) -> Any:
+
+def _store(engine: EngineState, group: FlatParamGroup) -> Any:
     """The optimizer's NVMe store when it holds this group's state, else None."""
     optimizer = engine.optimizer
     if optimizer is None or optimizer.nvme is None or group.nvme_index is None:
@@ -36,17 +40,17 @@ def _store(engine: Any, group: Any) -> Any:
     return optimizer.nvme
 
 
-def is_streamed(engine: Any, group: Any) -> bool:
+def is_streamed(engine: EngineState, group: FlatParamGroup) -> bool:
     """Whether the group's checkpointed state is in files (then this module saves and loads it)."""
     return _store(engine, group) is not None or (group.master is None and group.nvme_shard is not None)
 
 
-def _tile_numel(group: Any) -> int:
+def _tile_numel(group: FlatParamGroup) -> int:
     return max(1, int(group.offload.tile_numel))
 
 
 # ------------------------------------------------------------------ save
-def streamed_entries(engine: Any, group: Any) -> tuple[TensorEntry, list[tuple[str, TensorEntry]], dict[str, Any]]:
+def streamed_entries(engine: EngineState, group: FlatParamGroup) -> tuple[TensorEntry, list[tuple[str, TensorEntry]], dict[str, Any]]:
     """A streamed group's parameter entry, its element-wise optimizer entries (key, entry) and
     its optimizer scalars: what ``save._group_records`` takes from resident tensors otherwise."""
     label, numel = group.label, group.layout.shard_numel
@@ -69,7 +73,7 @@ def streamed_entries(engine: Any, group: Any) -> tuple[TensorEntry, list[tuple[s
 
 
 # ------------------------------------------------------------------ load
-def check_streamed_keys(engine: Any, group: Any, keys: list[str], manifest_path: str) -> None:
+def check_streamed_keys(engine: EngineState, group: FlatParamGroup, keys: list[str], manifest_path: str) -> None:
     """Before anything is loaded: NVMe-offloaded Adam keeps only its two moments."""
     unknown = sorted(set(keys) - set(MOMENTS))
     if _store(engine, group) is not None and unknown:
@@ -94,7 +98,7 @@ def _filled_tiles(numel: int, pieces: list[Piece], key: str, files: Any, tile_nu
         yield start, tile
 
 
-def load_streamed_parameters(engine: Any, group: Any, pieces: list[Piece], files: Any) -> None:
+def load_streamed_parameters(engine: EngineState, group: FlatParamGroup, pieces: list[Piece], files: Any) -> None:
     """The saved master (or frozen shard) of a streamed group into its files, with the compute
     copy written next to it."""
     store = _store(engine, group)
@@ -105,7 +109,7 @@ def load_streamed_parameters(engine: Any, group: Any, pieces: list[Piece], files
         group.write_compute_shard(tile, start)
 
 
-def load_streamed_optimizer(engine: Any, group: Any, pieces: list[Piece], keys: list[str],
+def load_streamed_optimizer(engine: EngineState, group: FlatParamGroup, pieces: list[Piece], keys: list[str],
                             scalars: dict[str, Any], files: Any) -> None:
     """Adam's moments and step count of a group whose optimizer state is in NVMe files."""
     store = _store(engine, group)

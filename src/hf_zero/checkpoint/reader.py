@@ -1,29 +1,50 @@
-"""Reading a checkpoint's rank files: checked once, then read slice by slice."""
+"""Reading a checkpoint's rank files: verified once, then read slice by slice.
+
+[Note: verified loads]
+A load is all-or-nothing: nothing in the engine changes until every byte it will read has been
+checked. Each rank file records in its safetensors metadata the rank whose shards it holds, the
+number of rank files and the save it belongs to; the manifest records, per file, its size and
+each tensor's dtype, shape and SHA-256 (hashed as the bytes were written, so saving reads
+nothing twice). Before a load or an export applies anything, every tensor it will read is
+checked: the file is the one the manifest lists at that rank (not swapped, not from another
+save), the header's dtype and shape are the manifest's, the bytes hash to the recorded digest
+(flipped bytes, swapped offsets, data from elsewhere), and parameters and optimizer state are
+finite (a run that diverged before it saved). Every error names the file, the tensor and what
+differed. Verifying reads the data once more than loading does (the page cache usually serves
+the second read); checkpoints of format 1 have no digests and skip that part with a warning.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 from safetensors import safe_open
 
 from hf_zero.checkpoint.errors import CheckpointError, CheckpointNotFoundError
-from hf_zero.checkpoint.manifest import MANIFEST_NAME
-from hf_zero.checkpoint.safetensors_io import TAG_DTYPES, read_header
+from hf_zero.checkpoint.manifest import BUFFER_PREFIX, MANIFEST_NAME
+from hf_zero.checkpoint.safetensors_io import TAG_DTYPES, read_header_and_data_start
+
+logger = logging.getLogger("hf_zero")
+_VERIFY_CHUNK_BYTES = 16 << 20  # a multiple of every element size
 
 
 class RankFiles:
-    """The rank files of one checkpoint. :meth:`check` validates a file against the manifest
-    (present, the size the manifest records, a readable header, written by the same save, the
-    tensors expected); :meth:`read` returns a slice of one tensor without reading the rest
-    (``safe_open(...).get_slice``). Handles stay open until :meth:`close`: export closes them
-    after every unit so that no more than one unit's pages stay mapped."""
+    """The rank files of one checkpoint. :meth:`check` verifies tensors of a file against the
+    manifest (see [Note: verified loads]); :meth:`read` returns a slice of one tensor without
+    reading the rest (``safe_open(...).get_slice``). Handles stay open until :meth:`close`:
+    export closes them after every parameter so that no more than one parameter's pages stay
+    mapped."""
 
     def __init__(self, ckpt_dir: str, manifest: Mapping[str, Any]) -> None:
         self.ckpt_dir = ckpt_dir
         self.manifest = manifest
         self.headers: dict[int, dict[str, dict]] = {}
+        self._data_start: dict[int, int] = {}
+        self._verified: set[tuple[int, str]] = set()
         self._open: dict[int, Any] = {}
 
     def path(self, index: int) -> str:
@@ -34,7 +55,7 @@ class RankFiles:
 
     def check(self, index: int, expected: Mapping[str, int]) -> None:
         """Raise a :class:`CheckpointError` naming the file unless it holds every tensor in
-        ``expected`` (name -> numel)."""
+        ``expected`` (name -> numel) intact: see [Note: verified loads]."""
         path = self.path(index)
         if index not in self.headers:
             self.headers[index] = self._check_file(index, path)
@@ -48,6 +69,17 @@ class RankFiles:
                 found *= dim
             if found != numel:
                 raise CheckpointError(f"{path}: tensor {name!r} has {found} elements, the manifest expects {numel}")
+            self._verify(index, path, name, spec)
+
+    def all_tensor_names(self, index: int) -> list[str]:
+        """The tensors the manifest lists for rank file ``index`` (format 2), else the header's."""
+        recorded = self.manifest["files"][index].get("tensors")
+        if recorded is not None:
+            return list(recorded)
+        path = self.path(index)
+        if index not in self.headers:
+            self.headers[index] = self._check_file(index, path)
+        return list(self.headers[index])
 
     def _check_file(self, index: int, path: str) -> dict[str, dict]:
         if not os.path.isfile(path):
@@ -57,15 +89,68 @@ class RankFiles:
         if size != recorded:
             raise CheckpointError(f"{path}: {size} bytes on disk, the manifest records {recorded}: the file is truncated or was replaced")
         try:
-            header, metadata = read_header(path)
-        except (OSError, ValueError) as exc:
+            header, metadata, data_start = read_header_and_data_start(path)
+            safe_open(path, framework="pt", device="cpu")  # the reader used later accepts it too
+        except Exception as exc:  # safetensors raises its own error types for a bad header
             raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from exc
         if metadata.get("save_id") != self.manifest["save_id"]:
             raise CheckpointError(
                 f"{path}: written by another save (save id {metadata.get('save_id')!r}, the manifest's is "
                 f"{self.manifest['save_id']!r}): files from different checkpoints were mixed"
             )
+        count = len(self.manifest["files"])
+        if metadata.get("rank") != str(index) or metadata.get("world_size", str(count)) != str(count):
+            raise CheckpointError(
+                f"{path}: holds the shards of rank {metadata.get('rank')} of {metadata.get('world_size', '?')}, but "
+                f"the manifest lists it as rank {index} of {count}: rank files were renamed or swapped"
+            )
+        self._data_start[index] = data_start
         return header
+
+    def _verify(self, index: int, path: str, name: str, spec: Mapping[str, Any]) -> None:
+        if (index, name) in self._verified:
+            return
+        recorded = (self.manifest["files"][index].get("tensors") or {}).get(name)
+        if recorded is None:
+            if self.manifest.get("format_version", 1) >= 2:
+                raise CheckpointError(f"{path}: tensor {name!r} is not listed in the manifest")
+            logger.warning("hf_zero: %s: format 1 checkpoint, %s is not checksummed", path, name)
+        else:
+            if spec["dtype"] != recorded["dtype"] or list(spec["shape"]) != list(recorded["shape"]):
+                raise CheckpointError(
+                    f"{path}: tensor {name!r} is {spec['dtype']} {spec['shape']} in the file's header, the manifest "
+                    f"records {recorded['dtype']} {recorded['shape']}: the header was altered"
+                )
+            digest, finite = self._hash(index, path, spec, check_finite=not name.startswith(BUFFER_PREFIX))
+            if digest != recorded["sha256"]:
+                raise CheckpointError(
+                    f"{path}: tensor {name!r} does not match its checksum (SHA-256 {digest[:16]}..., the manifest "
+                    f"records {recorded['sha256'][:16]}...): the file is corrupted; restore it from a copy or load another checkpoint"
+                )
+            if not finite:
+                raise CheckpointError(
+                    f"{path}: tensor {name!r} holds inf or nan values: the run had diverged when it was saved; "
+                    "load an earlier checkpoint"
+                )
+        self._verified.add((index, name))
+
+    def _hash(self, index: int, path: str, spec: Mapping[str, Any], check_finite: bool) -> tuple[str, bool]:
+        dtype = TAG_DTYPES[spec["dtype"]]
+        check_finite = check_finite and dtype.is_floating_point
+        lo, hi = spec["data_offsets"]
+        digest, finite = hashlib.sha256(), True
+        with open(path, "rb") as handle:
+            handle.seek(self._data_start[index] + lo)
+            remaining = hi - lo
+            while remaining > 0:
+                chunk = handle.read(min(remaining, _VERIFY_CHUNK_BYTES))
+                if not chunk:
+                    break
+                digest.update(chunk)
+                remaining -= len(chunk)
+                if check_finite and finite:
+                    finite = bool(torch.isfinite(torch.frombuffer(bytearray(chunk), dtype=dtype)).all())
+        return digest.hexdigest(), finite
 
     def dtype(self, index: int, name: str) -> torch.dtype:
         return TAG_DTYPES[self.headers[index][name]["dtype"]]
@@ -80,3 +165,20 @@ class RankFiles:
 
     def close(self) -> None:
         self._open.clear()
+
+
+def check_every_tensor(files: RankFiles, indices: Iterable[int]) -> None:
+    """Verify every tensor of the given rank files (export reads them all)."""
+    for index in indices:
+        names = files.all_tensor_names(index)
+        files.check(index, {name: _numel(files, index, name) for name in names})
+
+
+def _numel(files: RankFiles, index: int, name: str) -> int:
+    recorded = (files.manifest["files"][index].get("tensors") or {}).get(name)
+    shape = recorded["shape"] if recorded is not None else files.headers[index][name]["shape"]
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count
+

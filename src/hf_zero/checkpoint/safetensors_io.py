@@ -12,6 +12,7 @@ state, and export holds one parameter at a time. Files written here are read bac
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
@@ -74,18 +75,23 @@ def encode_header(entries: Iterable[TensorEntry], metadata: dict[str, str] | Non
     return struct.pack("<Q", len(raw)) + raw
 
 
-def write_tensor_bytes(handle, entry: TensorEntry, tensor: torch.Tensor) -> None:
+def _write_flat(handle, flat: torch.Tensor, digest: "hashlib._Hash") -> None:
+    if flat.numel():
+        data = memoryview(flat.view(torch.uint8).numpy())
+        digest.update(data)
+        handle.write(data)
+
+
+def write_tensor_bytes(handle, entry: TensorEntry, tensor: torch.Tensor, digest: "hashlib._Hash") -> None:
     if tensor.dtype != entry.dtype or tuple(tensor.shape) != entry.shape:
         raise ValueError(
             f"{entry.name}: produced {tensor.dtype} {tuple(tensor.shape)}, the header promised "
             f"{entry.dtype} {entry.shape}"
         )
-    flat = tensor.detach().reshape(-1).contiguous().cpu()
-    if flat.numel():
-        handle.write(memoryview(flat.view(torch.uint8).numpy()))
+    _write_flat(handle, tensor.detach().reshape(-1).contiguous().cpu(), digest)
 
 
-def write_chunk_bytes(handle, entry: TensorEntry, chunks: Iterator[torch.Tensor]) -> None:
+def write_chunk_bytes(handle, entry: TensorEntry, chunks: Iterator[torch.Tensor], digest: "hashlib._Hash") -> None:
     """An entry's elements in order, a chunk at a time; together they must be exactly the entry."""
     written = 0
     for chunk in chunks:
@@ -93,27 +99,31 @@ def write_chunk_bytes(handle, entry: TensorEntry, chunks: Iterator[torch.Tensor]
             raise ValueError(f"{entry.name}: a chunk of {chunk.dtype} {chunk.numel()} elements after {written} does "
                              f"not fit the header's {entry.dtype} {entry.shape}")
         flat = chunk.detach().reshape(-1).contiguous().cpu()
-        if flat.numel():
-            handle.write(memoryview(flat.view(torch.uint8).numpy()))
+        _write_flat(handle, flat, digest)
         written += flat.numel()
     if written != entry.numel:
         raise ValueError(f"{entry.name}: produced {written} elements, the header promised {entry.numel}")
 
 
-def write_safetensors(path: str, entries: list[TensorEntry], metadata: dict[str, str] | None = None) -> int:
+def write_safetensors(path: str, entries: list[TensorEntry], metadata: dict[str, str] | None = None,
+                      digests: dict[str, str] | None = None) -> int:
     """Write ``entries`` to ``path`` one tensor at a time (see [Note: streamed safetensors]),
-    flushed to disk before returning. Returns the file's size in bytes."""
+    flushed to disk before returning. Returns the file's size in bytes; ``digests``, when
+    given, receives the SHA-256 of each tensor's bytes as written (see [Note: verified loads])."""
     names = [e.name for e in entries]
     if len(set(names)) != len(names):
         raise ValueError(f"duplicate tensor names in {path}")
     with open(path, "wb") as handle:
         handle.write(encode_header(entries, metadata))
         for entry in entries:
+            digest = hashlib.sha256()
             produced = entry.produce()
             if isinstance(produced, torch.Tensor):
-                write_tensor_bytes(handle, entry, produced)
+                write_tensor_bytes(handle, entry, produced, digest)
             else:
-                write_chunk_bytes(handle, entry, produced)
+                write_chunk_bytes(handle, entry, produced, digest)
+            if digests is not None:
+                digests[entry.name] = digest.hexdigest()
         handle.flush()
         os.fsync(handle.fileno())
     return os.path.getsize(path)
@@ -136,6 +146,12 @@ def fsync_dir(path: str) -> None:
 def read_header(path: str) -> tuple[dict[str, dict], dict[str, str]]:
     """The tensors (name -> dtype, shape, data_offsets) and the metadata of a safetensors file,
     checked against the file's size so a truncated file is reported, not half-read."""
+    header, metadata, _ = read_header_and_data_start(path)
+    return header, metadata
+
+
+def read_header_and_data_start(path: str) -> tuple[dict[str, dict], dict[str, str], int]:
+    """:func:`read_header`, and where the data starts (tensor offsets count from there)."""
     size = os.path.getsize(path)
     with open(path, "rb") as handle:
         head = handle.read(8)
@@ -145,8 +161,28 @@ def read_header(path: str) -> tuple[dict[str, dict], dict[str, str]]:
         if 8 + header_len > size:
             raise ValueError(f"header of {header_len} bytes runs past the end of the file ({size} bytes)")
         header = json.loads(handle.read(header_len))
+    if not isinstance(header, dict):
+        raise ValueError("its header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
+    for name, spec in header.items():
+        _check_spec(name, spec)
     end = max((t["data_offsets"][1] for t in header.values()), default=0)
     if 8 + header_len + end != size:
         raise ValueError(f"{size} bytes, but its header describes {8 + header_len + end}: the file is truncated or padded")
-    return header, metadata
+    return header, metadata, 8 + header_len
+
+
+def _check_spec(name: str, spec: object) -> None:
+    """A header entry safetensors itself would accept: a known dtype, a shape, and a byte range
+    exactly the size of that shape in that dtype."""
+    ok = (isinstance(spec, dict) and spec.get("dtype") in TAG_DTYPES and isinstance(spec.get("shape"), list)
+          and isinstance(spec.get("data_offsets"), list) and len(spec["data_offsets"]) == 2
+          and all(isinstance(v, int) and v >= 0 for v in spec["shape"] + spec["data_offsets"]))
+    if not ok:
+        raise ValueError(f"tensor {name!r} has a malformed header entry {spec!r}")
+    numel = 1
+    for dim in spec["shape"]:
+        numel *= dim
+    lo, hi = spec["data_offsets"]
+    if hi - lo != numel * element_bytes(TAG_DTYPES[spec["dtype"]]):
+        raise ValueError(f"tensor {name!r}: bytes [{lo}, {hi}) do not hold {spec['dtype']} {spec['shape']}")

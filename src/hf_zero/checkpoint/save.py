@@ -11,8 +11,10 @@ rank is left waiting in a collective:
 2. rank 0 creates ``<save_dir>/.<tag>.tmp-<save_id>/``;
 3. every data rank streams its file into it (see [Note: streamed safetensors]) and fsyncs it;
 4. rank 0 writes ``manifest.json`` (with each file's size), renames the directory to
-   ``<save_dir>/<tag>/`` (an existing tag is moved aside first and removed after), then writes
-   ``latest`` through a temporary file and ``os.replace``.
+   ``<save_dir>/<tag>/`` (an existing tag is swapped out first and removed after), then writes
+   ``latest`` through a temporary file and ``os.replace``. Re-saving an existing tag swaps the
+   two directories in one atomic call where the OS has one (Linux ``renameat2``), so ``latest``
+   never names a missing directory; folders left by interrupted saves are reported.
 
 A failure in rounds 2-4 removes the temporary directory; a crash leaves at most a hidden
 ``.<tag>.tmp-*`` directory, which loading ignores. ``save_dir`` must be one filesystem that
@@ -21,15 +23,18 @@ every rank sees (a shared mount on several nodes).
 
 from __future__ import annotations
 
+import ctypes
 import json
+import logging
 import os
 import secrets
 import shutil
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from hf_zero.checkpoint.engine_state import EngineState, flat_groups
 from hf_zero.checkpoint.errors import CheckpointError
 from hf_zero.checkpoint.manifest import (
     BUFFER_PREFIX, FORMAT, FORMAT_VERSION, LATEST_NAME, MANIFEST_NAME, OPTIM_PREFIX, PARAM_KEY,
@@ -38,6 +43,11 @@ from hf_zero.checkpoint.manifest import (
 )
 from hf_zero.checkpoint.offloaded import is_streamed, streamed_entries
 from hf_zero.checkpoint.safetensors_io import DTYPE_TAGS, TensorEntry, fsync_dir, write_safetensors
+
+if TYPE_CHECKING:
+    from hf_zero.engine.flat_group import FlatParamGroup
+
+logger = logging.getLogger("hf_zero")
 
 
 @dataclass
@@ -49,13 +59,9 @@ class _Prepared:
     data_world_size: int = 1
 
 
-def default_tag(engine: Any) -> str:
+def default_tag(engine: EngineState) -> str:
     """DeepSpeed's default tag."""
     return f"global_step{engine.global_steps}"
-
-
-def _groups(engine: Any) -> list[Any]:
-    return [g for u in engine.units for g in u.groups]
 
 
 def _entry(name: str, tensor: torch.Tensor) -> TensorEntry:
@@ -64,7 +70,7 @@ def _entry(name: str, tensor: torch.Tensor) -> TensorEntry:
     return TensorEntry(name, tensor.dtype, tuple(tensor.shape), lambda t=tensor: t)
 
 
-def _optimizer_state(engine: Any, group: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def _optimizer_state(engine: EngineState, group: FlatParamGroup) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The inner optimizer's state of a group's master, split in element-wise tensors (sharded
     like the master, written to the rank file) and the rest (small, written to the manifest)."""
     if engine.optimizer is None or group.master is None:
@@ -79,7 +85,7 @@ def _optimizer_state(engine: Any, group: Any) -> tuple[dict[str, torch.Tensor], 
     return elementwise, scalars
 
 
-def _group_tensors(engine: Any, group: Any) -> tuple[TensorEntry, list[tuple[str, TensorEntry]], dict[str, Any]]:
+def _group_tensors(engine: EngineState, group: FlatParamGroup) -> tuple[TensorEntry, list[tuple[str, TensorEntry]], dict[str, Any]]:
     """A group's parameter entry (its fp32 master, or a frozen group's compute shard), its
     element-wise optimizer entries and its optimizer scalars."""
     if is_streamed(engine, group):  # see [Note: checkpoints of NVMe-offloaded state]
@@ -90,9 +96,9 @@ def _group_tensors(engine: Any, group: Any) -> tuple[TensorEntry, list[tuple[str
     return _entry(tensor_name(group.label, PARAM_KEY), data), optim, scalars
 
 
-def _group_records(engine: Any) -> tuple[list[TensorEntry], list[dict[str, Any]]]:
+def _group_records(engine: EngineState) -> tuple[list[TensorEntry], list[dict[str, Any]]]:
     entries, records = [], []
-    for group, layout in zip(_groups(engine), engine.layout()):
+    for group, layout in zip(flat_groups(engine), engine.layout()):
         param, optim, scalars = _group_tensors(engine, group)
         label = group.label
         tensors = {PARAM_KEY: DTYPE_TAGS.get(param.dtype, str(param.dtype))}
@@ -106,7 +112,7 @@ def _group_records(engine: Any) -> tuple[list[TensorEntry], list[dict[str, Any]]
     return entries, records
 
 
-def _run_state(engine: Any) -> dict[str, Any]:
+def _run_state(engine: EngineState) -> dict[str, Any]:
     optimizer = engine.optimizer
     scheduler = engine.lr_scheduler
     scaler = optimizer.loss_scaler if optimizer is not None else None
@@ -127,7 +133,7 @@ def _run_state(engine: Any) -> dict[str, Any]:
     }
 
 
-def _prepare(engine: Any, tag: str, client_state: Any) -> _Prepared:
+def _prepare(engine: EngineState, tag: str, client_state: Any) -> _Prepared:
     check_tag(tag)
     check_plain_json(client_state)
     entries, records = _group_records(engine)
@@ -166,9 +172,14 @@ def _raise_if_failed(outcomes: list[dict[str, Any]], what: str, local: BaseExcep
         raise CheckpointError(f"{what}:\n  " + "\n  ".join(errors)) from local
 
 
-def _write_rank_file(path: str, entries: list[TensorEntry], metadata: dict[str, str]) -> int:
-    """One rank's file (a separate function so a test can make it fail half-way)."""
-    return write_safetensors(path, entries, metadata)
+def _write_rank_file(path: str, entries: list[TensorEntry], metadata: dict[str, str]) -> dict[str, Any]:
+    """One rank's file (a separate function so a test can make it fail half-way): its manifest
+    record, with each tensor's dtype, shape and digest (see [Note: verified loads])."""
+    digests: dict[str, str] = {}
+    nbytes = write_safetensors(path, entries, metadata, digests)
+    tensors = {e.name: {"dtype": DTYPE_TAGS[e.dtype], "shape": list(e.shape), "sha256": digests[e.name]}
+               for e in entries}
+    return {"name": os.path.basename(path), "bytes": nbytes, "tensors": tensors}
 
 
 def _write_json(path: str, data: Any) -> None:
@@ -179,14 +190,42 @@ def _write_json(path: str, data: Any) -> None:
         os.fsync(handle.fileno())
 
 
+_RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+def _exchange_dirs(a: str, b: str) -> bool:
+    """Swap two paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``), so that re-saving a tag
+    never leaves ``latest`` naming a missing directory. False where the call is not available."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd = -100
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0
+
+
+def _report_leftovers(save_dir: str, tag: str) -> None:
+    """Temporary folders of saves that crashed (loading ignores them, but they can be as large as
+    a checkpoint). Reported, not removed: another job may be saving into the same folder."""
+    leftovers = sorted(n for n in os.listdir(save_dir)
+                       if n.startswith(".") and (".tmp-" in n or ".old-" in n) and not n.startswith(f".{tag}.tmp-"))
+    if leftovers:
+        logger.warning("hf_zero: %s holds %d folder(s) left by interrupted saves (%s); delete them if no other "
+                       "job is saving there", save_dir, len(leftovers), ", ".join(leftovers[:5]))
+
+
 def _publish(save_dir: str, tmp_dir: str, tag: str, save_id: str) -> str:
     """Rename the finished directory into place and point ``latest`` at it (rank 0)."""
     final = os.path.join(save_dir, tag)
     aside = None
-    if os.path.lexists(final):  # re-saving a tag: keep the old one until the new one is in place
-        aside = os.path.join(save_dir, f".{tag}.old-{save_id}")
-        os.rename(final, aside)
-    os.rename(tmp_dir, final)
+    if os.path.lexists(final):  # re-saving a tag: the old one stays until the new one is in place
+        aside = tmp_dir if _exchange_dirs(tmp_dir, final) else os.path.join(save_dir, f".{tag}.old-{save_id}")
+        if aside != tmp_dir:  # no atomic exchange here: a short window where the tag is absent
+            os.rename(final, aside)
+            os.rename(tmp_dir, final)
+    else:
+        os.rename(tmp_dir, final)
     fsync_dir(save_dir)
     latest_tmp = os.path.join(save_dir, f".{LATEST_NAME}.tmp-{save_id}")
     with open(latest_tmp, "w", encoding="utf-8") as handle:
@@ -197,10 +236,11 @@ def _publish(save_dir: str, tmp_dir: str, tag: str, save_id: str) -> str:
     fsync_dir(save_dir)
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
+    _report_leftovers(save_dir, tag)
     return final
 
 
-def save_checkpoint(engine: Any, save_dir: str | os.PathLike[str], tag: str | None = None,
+def save_checkpoint(engine: EngineState, save_dir: str | os.PathLike[str], tag: str | None = None,
                     client_state: Any = None) -> str:
     """Write ``save_dir/<tag>/`` (default tag ``global_step<N>``) and ``save_dir/latest``; see
     [Note: atomic save]. Every rank must call it. Returns the checkpoint directory."""
@@ -213,11 +253,14 @@ def save_checkpoint(engine: Any, save_dir: str | os.PathLike[str], tag: str | No
         prepared = _prepare(engine, tag, client_state)
     except CheckpointError as exc:
         local_error = exc
-    outcomes = _exchange(comm, {"error": str(local_error) if local_error else None, "tag": tag, "rng": capture_rng()})
+    steps = [engine.global_steps, engine.micro_steps]
+    outcomes = _exchange(comm, {"error": str(local_error) if local_error else None, "tag": tag, "rng": capture_rng(),
+                                "steps": steps})
     _raise_if_failed(outcomes, f"save_checkpoint({save_dir!r}, tag={tag!r}) refused; nothing was written", local_error)
     tags = sorted({o["tag"] for o in outcomes})
     if len(tags) > 1:
         raise CheckpointError(f"save_checkpoint: ranks passed different tags {tags}; pass the same tag on every rank")
+    _check_same_step(outcomes, save_dir)
     prepared = cast(_Prepared, prepared)  # _prepare succeeded on every rank
     rng_states = [o["rng"] for o in outcomes]
     tmp_dir, save_id = _make_tmp_dir(comm, save_dir, tag)
@@ -228,6 +271,19 @@ def save_checkpoint(engine: Any, save_dir: str | os.PathLike[str], tag: str | No
         if comm.rank == 0:
             shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
+
+
+def _check_same_step(outcomes: list[dict[str, Any]], save_dir: str) -> None:
+    """Every rank at the same optimizer step and micro-step (see [Note: rank agreement]): a rank
+    that ran an extra micro-step would save state the others do not have."""
+    steps = [tuple(o["steps"]) for o in outcomes]
+    if len(set(steps)) > 1:
+        shown = ", ".join(f"rank {rank} at step {g} micro-step {m}" for rank, (g, m) in enumerate(steps))
+        raise CheckpointError(
+            f"save_checkpoint({save_dir!r}) refused, nothing was written: the ranks are at different steps ({shown}); "
+            "every rank must run the same number of forward/backward/step calls (an uneven last batch or a "
+            "rank-dependent loop is the usual cause)"
+        )
 
 
 def _make_tmp_dir(comm: Any, save_dir: str, tag: str) -> tuple[str, str]:
@@ -246,25 +302,26 @@ def _make_tmp_dir(comm: Any, save_dir: str, tag: str) -> tuple[str, str]:
     return os.path.join(save_dir, f".{tag}.tmp-{save_id}"), save_id
 
 
-def _write_files(engine: Any, prepared: _Prepared, tmp_dir: str, tag: str, save_id: str) -> list[dict[str, Any]]:
+def _write_files(engine: EngineState, prepared: _Prepared, tmp_dir: str, tag: str, save_id: str) -> list[dict[str, Any]]:
     count = prepared.data_world_size
     name = rank_file_name(engine.rank, count) if engine.rank < count else None
-    nbytes, local_error = None, None
+    record, local_error = None, None
     if name is not None:
         path = os.path.join(tmp_dir, name)
-        metadata = {"format": "hf_zero", "save_id": save_id, "tag": tag, "rank": str(engine.rank)}
+        metadata = {"format": "hf_zero", "save_id": save_id, "tag": tag, "rank": str(engine.rank),
+                    "world_size": str(count)}
         try:
-            nbytes = _write_rank_file(path, prepared.entries, metadata)
+            record = _write_rank_file(path, prepared.entries, metadata)
         except Exception as exc:  # a full disk, a lost mount: every rank must hear of it
             local_error = exc
     message = f"writing {os.path.join(tmp_dir, name or '')}: {type(local_error).__name__}: {local_error}" if local_error else None
-    outcomes = _exchange(engine.comm, {"error": message, "name": name, "bytes": nbytes})
+    outcomes = _exchange(engine.comm, {"error": message, "record": record})
     _raise_if_failed(outcomes, "save_checkpoint failed while writing rank files; the previous checkpoint and "
                      "'latest' are untouched and the partial files were removed", local_error)
-    return [{"name": o["name"], "bytes": o["bytes"]} for o in outcomes[:count]]
+    return [o["record"] for o in outcomes[:count]]
 
 
-def _finish(engine: Any, prepared: _Prepared, save_dir: str, tmp_dir: str, tag: str, save_id: str,
+def _finish(engine: EngineState, prepared: _Prepared, save_dir: str, tmp_dir: str, tag: str, save_id: str,
             files: list[dict[str, Any]], rng_states: list[Any]) -> str:
     final, local_error = os.path.join(save_dir, tag), None
     if engine.rank == 0:

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import atexit
 from collections import defaultdict
+from datetime import timedelta
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Iterator, Protocol
 
 import torch
 import torch.distributed as dist
@@ -65,11 +67,56 @@ def _grad_group_key(group: dist.ProcessGroup | None) -> object:
     return group if group is not None else dist.group.WORLD  # a new object after re-initializing
 
 
-def _make_grad_group(group: dist.ProcessGroup | None) -> None:
+def _make_grad_group(group: dist.ProcessGroup | None, timeout_s: float | None) -> None:
     key = _grad_group_key(group)
     if key not in _GRAD_GROUPS:
         ranks = dist.get_process_group_ranks(group) if group is not None else None
-        _GRAD_GROUPS[key] = dist.new_group(ranks=ranks)
+        kwargs = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+        _GRAD_GROUPS[key] = dist.new_group(ranks=ranks, **kwargs)
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out; the message names the rank, the collective, its label
+    (the unit's group), and where the engine was (see [Note: collective errors])."""
+
+
+_TIMEOUT_WORDS = ("timed out", "timeout")  # gloo: "Timed out waiting 3000ms for recv operation"
+
+
+def _describe_failure(comm: "Communicator", kind: str, label: str, exc: BaseException) -> CollectiveError:
+    """[Note: collective errors]
+    A rank that stops answering (hung, crashed, or on another code path) leaves the others
+    waiting in their next collective until the process group's timeout (``collective_timeout_s``
+    / ``HF_ZERO_TIMEOUT`` when hf_zero creates the group; torch's default is 30 minutes). The
+    error torch raises then says only which socket timed out; every collective of hf_zero goes
+    through :class:`Communicator`, which re-raises it naming the collective, its label (the
+    unit's flat group, or what else it moves), and where this rank was (the optimizer step and
+    micro-step, or initialize/save/load), so each rank's log says what it was waiting for."""
+    timed_out = any(word in str(exc).lower() for word in _TIMEOUT_WORDS)
+    what = (f"got no answer within the {comm.timeout_s:g} s collective timeout" if timed_out and comm.timeout_s
+            else "timed out" if timed_out else f"failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})")
+    return CollectiveError(
+        f"rank {comm.rank}: {kind} {label!r} {what} while at {comm.where()}: another rank stopped answering "
+        "(crashed, hung, or took another code path; its own output says which). "
+        + ("Raise the limit with collective_timeout_s in the config or HF_ZERO_TIMEOUT (seconds) if a rank "
+           "is only slow." if timed_out else "")
+    )
+
+
+class _ReportingHandle:
+    """An async collective's handle whose ``wait`` reports a failure like the blocking calls."""
+
+    def __init__(self, work: Handle, comm: "Communicator", kind: str, label: str) -> None:
+        self.work, self.comm, self.kind, self.label = work, comm, kind, label
+
+    def wait(self) -> object:
+        try:
+            return self.work.wait()
+        except RuntimeError as exc:
+            raise _describe_failure(self.comm, self.kind, self.label, exc) from exc
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
 
 
 @dataclass
@@ -101,14 +148,23 @@ class CommStats:
 class Communicator:
     """Collectives over one process group, counted and labelled (see [Note: counting])."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, timeout_s: float | None = None) -> None:
         self.initialized = dist.is_available() and dist.is_initialized()
         self.group = group
         self.rank = dist.get_rank(group) if self.initialized else 0
         self.world_size = dist.get_world_size(group) if self.initialized else 1
         if self.world_size > 1:  # see [Note: two process groups]
-            _make_grad_group(group)
+            _make_grad_group(group, timeout_s)
         self.stats = CommStats()
+        self.timeout_s = timeout_s  # the collective timeout hf_zero set, if it did (see [Note: collective errors])
+        self.where: Callable[[], str] = lambda: "initialize"  # the engine points this at its counters
+
+    @contextmanager
+    def _reporting(self, kind: str, label: str) -> Iterator[None]:
+        try:
+            yield
+        except RuntimeError as exc:  # torch's DistBackendError is one
+            raise _describe_failure(self, kind, label, exc) from exc
 
     @property
     def grad_group(self) -> dist.ProcessGroup | None:
@@ -140,9 +196,9 @@ class Communicator:
                 output.copy_(shard)
             return _DoneHandle()
         self.stats.add("all_gather", output)
-        with record_function(f"hf_zero::all_gather::{label}"):
+        with record_function(f"hf_zero::all_gather::{label}"), self._reporting("all-gather", label):
             work = _ALL_GATHER(output, shard, group=self.group, async_op=async_op)
-        return work if async_op else _DoneHandle()
+        return _ReportingHandle(work, self, "all-gather", label) if async_op else _DoneHandle()
 
     def reduce_scatter_into(
         self, shard: torch.Tensor, full: torch.Tensor, label: str, async_op: bool = False
@@ -153,9 +209,9 @@ class Communicator:
             shard.copy_(full)
             return _DoneHandle()
         self.stats.add("reduce_scatter", full)
-        with record_function(f"hf_zero::reduce_scatter::{label}"):
+        with record_function(f"hf_zero::reduce_scatter::{label}"), self._reporting("reduce-scatter", label):
             work = _REDUCE_SCATTER(shard, full, group=self.grad_group, async_op=async_op)
-        return work if async_op else _DoneHandle()
+        return _ReportingHandle(work, self, "reduce-scatter", label) if async_op else _DoneHandle()
 
     def all_reduce_(
         self, tensor: torch.Tensor, label: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
@@ -166,7 +222,7 @@ class Communicator:
         self._check(label, tensor)
         if self.active:
             self.stats.add("all_reduce", tensor)
-            with record_function(f"hf_zero::all_reduce::{label}"):
+            with record_function(f"hf_zero::all_reduce::{label}"), self._reporting("all-reduce", label):
                 dist.all_reduce(tensor, op=op, group=self.grad_group if grads else self.group)
         return tensor
 
@@ -174,7 +230,7 @@ class Communicator:
         self._check(label, tensor)
         if self.active:
             self.stats.add("broadcast", tensor)
-            with record_function(f"hf_zero::broadcast::{label}"):
+            with record_function(f"hf_zero::broadcast::{label}"), self._reporting("broadcast", label):
                 dist.broadcast(tensor, src=src, group=self.group)
         return tensor
 
@@ -183,9 +239,11 @@ class Communicator:
         if not self.active:
             return [obj]
         out: list[object] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
+        with self._reporting("all-gather of objects", type(obj).__name__):
+            dist.all_gather_object(out, obj, group=self.group)
         return out
 
     def barrier(self) -> None:
         if self.active:
-            dist.barrier(group=self.group)
+            with self._reporting("barrier", "barrier"):
+                dist.barrier(group=self.group)

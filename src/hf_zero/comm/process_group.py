@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -12,6 +13,13 @@ import torch.distributed as dist
 logger = logging.getLogger("hf_zero")
 
 _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_created: dict[str, Any] = {}  # the default group hf_zero created, and the timeout it gave it
+
+
+def hf_zero_timeout_s() -> float | None:
+    """The collective timeout hf_zero gave the current default group, or None (not set by hf_zero)."""
+    group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    return _created.get("timeout_s") if group is not None and _created.get("group") is group else None
 
 
 def default_backend(device: torch.device) -> str:
@@ -48,6 +56,7 @@ def ensure_process_group(device: torch.device, timeout_s: float | None = None) -
         torch.cuda.set_device(device)
     kwargs = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
     dist.init_process_group(backend=default_backend(device), **kwargs)
+    _created.update(group=dist.group.WORLD, timeout_s=timeout_s)
     logger.info(
         "hf_zero: joined process group rank %d of %d (%s)",
         dist.get_rank(), dist.get_world_size(), dist.get_backend(),

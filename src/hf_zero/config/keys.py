@@ -109,6 +109,13 @@ DTYPE_SPELLINGS: dict[str, str] = {
 
 RangeCheck = Callable[[Any], "tuple[str, str] | None"]
 
+# Bucket sizes above this are larger than any model's parameter count (2**40 elements): a typo or
+# a "1e30 means one bucket" guess; 0 already means one collective per group.
+MAX_BUCKET_NUMEL = 2**40
+# fp16 starts at a loss scale of 2**initial_scale_power, a Python float multiplied into an fp32
+# loss: far below fp32's 2**128 limit, and 2**4000 overflows Python floats outright.
+MAX_SCALE_POWER = 64
+
 
 @dataclass(frozen=True)
 class KeySpec:
@@ -316,6 +323,7 @@ _SPECS: list[KeySpec] = [
     KeySpec("zero_allow_untested_optimizer", Bool(), False, "Run a passed-in optimizer hf_zero does not know to be element-wise over the flat shards (set by the Trainer when it builds the optimizer); known shape-aware optimizers are refused regardless."),
     KeySpec("zero_force_ds_cpu_optimizer", Bool(), True, "Require DeepSpeed's CPU Adam when offloading.", NO_EFFECT, "hf_zero has no DeepSpeed CPU optimizer to force"),
     KeySpec("dataloader_drop_last", Bool(), False, "Drop the last incomplete batch in the data loader hf_zero.initialize builds from training_data."),
+    KeySpec("collective_timeout_s", Float(), None, "hf_zero only: seconds a collective waits for the other ranks before every waiting rank raises, naming the collective, its unit and the step (null: the HF_ZERO_TIMEOUT environment variable, else torch's 30 minutes). Applies to process groups hf_zero creates.", nullable=True, check=above(0)),
     KeySpec("vocabulary_size", Int(), None, "Only used by DeepSpeed to warn when not a multiple of 8.", NO_EFFECT, "DeepSpeed only prints a warning from it", nullable=True),
     KeySpec("log_level", Str(), None, "DeepSpeed's logger level.", NO_EFFECT, "hf_zero logs through logging.getLogger('hf_zero')", nullable=True),
     KeySpec("graph_harvesting", Bool(), False, "Capture short kernel sequences as CUDA graphs.", NO_EFFECT, "a speed hint; the math is unchanged"),
@@ -326,17 +334,17 @@ _SPECS: list[KeySpec] = [
     KeySpec("zero_optimization.stage", Int(), 0, "0: data parallel; 1: shard fp32 master + optimizer state; 2: also gradients; 3: also parameters.", check=_zero_stage),
     KeySpec("zero_optimization.contiguous_gradients", Bool(), True, "Copy gradients into a contiguous buffer as they are produced.", NO_EFFECT, "hf_zero's gradients are always views into one flat buffer per unit"),
     KeySpec("zero_optimization.reduce_scatter", Bool(), True, "Reduce-scatter (vs all-reduce) to average gradients.", NO_EFFECT, "hf_zero always reduce-scatters in stages 1-3; all-reduce gives the same values"),
-    KeySpec("zero_optimization.reduce_bucket_size", Int(), 500_000_000, "Gradient elements per reduce-scatter: finished units share one collective until the bucket holds this many (0: one per unit group).", check=at_least(0), auto_from="hidden_size"),
+    KeySpec("zero_optimization.reduce_bucket_size", Int(), 500_000_000, "Gradient elements per reduce-scatter: finished units share one collective until the bucket holds this many (0: one per unit group).", check=between(0, MAX_BUCKET_NUMEL), auto_from="hidden_size"),
     KeySpec("zero_optimization.use_multi_rank_bucket_allreduce", Bool(), True, "Combine the reduce buckets of several ranks into one all-reduce.", NO_EFFECT, "a speed hint; the math is unchanged"),
     KeySpec("zero_optimization.allgather_partitions", Bool(), True, "All-gather (vs broadcast) updated partitions after the step.", NO_EFFECT, "hf_zero always all-gathers; broadcasts give the same values"),
-    KeySpec("zero_optimization.allgather_bucket_size", Int(), 500_000_000, "Updated-parameter elements per all-gather after the step (stages 1-2, persistent stage-3 groups; 0: one per unit group).", check=at_least(0)),
+    KeySpec("zero_optimization.allgather_bucket_size", Int(), 500_000_000, "Updated-parameter elements per all-gather after the step (stages 1-2, persistent stage-3 groups; 0: one per unit group).", check=between(0, MAX_BUCKET_NUMEL)),
     KeySpec("zero_optimization.overlap_comm", Bool(), None, "Overlap each unit's gradient reduce-scatter with the backward of the units before it (stages 2-3); null means true for stage 3 only (DeepSpeed's rule).", nullable=True),
     KeySpec("zero_optimization.load_from_fp32_weights", Bool(), True, "Initialise the fp32 master from the checkpoint's fp32 copy.", NO_EFFECT, "hf_zero checkpoints always hold the fp32 master and always load it"),
     KeySpec("zero_optimization.elastic_checkpoint", Bool(), False, "Legacy elastic checkpoints.", NO_EFFECT, "hf_zero checkpoints load at any world size anyway"),
     KeySpec("zero_optimization.offload_param", Section(), None, "Parameter offload (stage 3 only).", nullable=True),
     KeySpec("zero_optimization.offload_optimizer", Section(), None, "Optimizer state offload (stages 1-3).", nullable=True),
     KeySpec("zero_optimization.zenflow", Opaque(), None, "ZenFlow (stall-free offload).", NOT_IMPLEMENTED, "ZenFlow", nullable=True, off=lambda v: v is None, when_on="present"),
-    KeySpec("zero_optimization.sub_group_size", Int(), 1_000_000_000, "Optimizer-step tile size in elements: hf_zero's NVMe optimizer offload reads, steps and writes the state in tiles of this size (other steps run whole flat shards).", check=at_least(0)),
+    KeySpec("zero_optimization.sub_group_size", Int(), 1_000_000_000, "Optimizer-step tile size in elements: hf_zero's NVMe optimizer offload reads, steps and writes the state in tiles of this size (other steps run whole flat shards).", check=at_least(1)),
     KeySpec("zero_optimization.cpu_offload", Bool(), None, "Deprecated: true means offload_optimizer.device cpu.", NOT_IMPLEMENTED, _NI_REASON_OFFLOAD, nullable=True, off=_legacy_cpu_offload_off, when_on="true"),
     KeySpec("zero_optimization.cpu_offload_param", Bool(), None, "Deprecated: true means offload_param.device cpu.", NOT_IMPLEMENTED, _NI_REASON_OFFLOAD, nullable=True, off=_legacy_cpu_offload_off, when_on="true"),
     KeySpec("zero_optimization.cpu_offload_use_pin_memory", Bool(), None, "Deprecated pin_memory for the two keys above.", NO_EFFECT, "deprecated; only read with cpu_offload", nullable=True),
@@ -382,7 +390,7 @@ _SPECS: list[KeySpec] = [
     # -- offload_optimizer --
     KeySpec("zero_optimization.offload_optimizer.device", Choice(("none", "cpu", "nvme")), "none", "Where the fp32 master and optimizer state live; the step runs on the CPU."),
     KeySpec("zero_optimization.offload_optimizer.nvme_path", Str(), None, "Directory for nvme offload.", nullable=True),
-    KeySpec("zero_optimization.offload_optimizer.buffer_count", Int(), 4, "Buffers in the nvme swap pool.", NO_EFFECT, "the NVMe optimizer step streams each state through one tile buffer of sub_group_size elements", check=at_least(0)),
+    KeySpec("zero_optimization.offload_optimizer.buffer_count", Int(), 4, "Buffers in the nvme swap pool.", NO_EFFECT, "the NVMe optimizer step streams each state through one tile buffer of sub_group_size elements", check=at_least(1)),
     KeySpec("zero_optimization.offload_optimizer.pin_memory", Bool(), True, "Use page-locked host memory."),
     KeySpec("zero_optimization.offload_optimizer.pipeline_read", Bool(), False, "Overlap reading the next tile with the current step.", NO_EFFECT, "an nvme speed hint"),
     KeySpec("zero_optimization.offload_optimizer.pipeline_write", Bool(), False, "Overlap writing the previous tile with the current step.", NO_EFFECT, "an nvme speed hint"),
@@ -397,7 +405,7 @@ _SPECS: list[KeySpec] = [
     KeySpec("fp16.enabled", Bool(), False, "Compute in fp16; the master weights stay fp32.", auto_from="fp16"),
     KeySpec("fp16.auto_cast", Bool(), False, "Cast module inputs to fp16 automatically.", NOT_IMPLEMENTED, "automatic input casting", gate=_FP16_ONLY, when_on="true"),
     KeySpec("fp16.loss_scale", Float(), 0, "Static loss scale; 0 means dynamic loss scaling.", check=at_least(0)),
-    KeySpec("fp16.initial_scale_power", Int(), 16, "Dynamic scaling starts at 2**initial_scale_power.", check=at_least(0)),
+    KeySpec("fp16.initial_scale_power", Int(), 16, "Dynamic scaling starts at 2**initial_scale_power.", check=between(0, MAX_SCALE_POWER)),
     KeySpec("fp16.loss_scale_window", Int(), 1000, "Overflow-free steps before the scale doubles.", check=at_least(1)),
     KeySpec("fp16.hysteresis", Int(), 2, "Overflows tolerated before the scale halves.", check=at_least(1)),
     KeySpec("fp16.consecutive_hysteresis", Bool(), False, "Refill hysteresis after every overflow-free step."),
@@ -408,8 +416,8 @@ _SPECS: list[KeySpec] = [
     KeySpec("bf16", Section(), {}, "bf16 mixed precision.", aliases=("bfloat16",)),
     KeySpec("bf16.enabled", Bool(), False, "Compute in bf16; the master weights stay fp32.", auto_from="bf16"),
     KeySpec("bf16.immediate_grad_update", Bool(), False, "Apply gradients to the master immediately.", NOT_IMPLEMENTED, "immediate gradient updates", gate=_BF16_ONLY, when_on="true"),
-    KeySpec("bf16.check_grad_overflow", Bool(), False, "Skip steps whose bf16 gradients overflow.", NOT_IMPLEMENTED, "bf16 overflow step skipping", gate=_BF16_ONLY, when_on="true"),
-    KeySpec("bf16.check_overflow", Bool(), False, "Older spelling of check_grad_overflow.", NOT_IMPLEMENTED, "bf16 overflow step skipping", gate=_BF16_ONLY, when_on="true"),
+    KeySpec("bf16.check_grad_overflow", Bool(), False, "Skip (instead of raising FloatingPointError on) steps whose bf16 gradients hold inf/nan; either way the step's gradients are dropped and nothing else changes.", gate=_BF16_ONLY),
+    KeySpec("bf16.check_overflow", Bool(), False, "Older spelling of check_grad_overflow.", gate=_BF16_ONLY),
     KeySpec("bf16.bf16_master_weights_and_grads", Bool(), False, "Keep master weights and gradients in bf16.", NOT_IMPLEMENTED, "bf16 master weights; hf_zero's master is fp32", gate=_BF16_ONLY, when_on="true"),
     KeySpec("bf16.bf16_optimizer_states", Bool(), False, "Keep optimizer states in bf16.", NOT_IMPLEMENTED, "bf16 optimizer states; hf_zero's are fp32", gate=_BF16_ONLY, when_on="true"),
     # -- amp (apex) and torch_autocast --

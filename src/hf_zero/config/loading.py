@@ -98,6 +98,8 @@ def load_config(config: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[dic
             f"HfZeroConfig expects a path to a JSON file, a dict or an HfZeroConfig; got {type(config).__name__}"
         )
     if parsed is None:
+        if not problems:  # the file holds JSON null
+            problems.add(source, None, "the config is null", "write the settings as a JSON object {...}")
         return {}, source, problems
     if not isinstance(parsed, Mapping):
         problems.add(source, type(parsed).__name__, "the config must be a JSON object", "wrap the settings in {...}")

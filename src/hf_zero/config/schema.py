@@ -250,6 +250,9 @@ class Bf16Config(_Typed):
 
     enabled: bool
     """Compute in bf16 (master weights stay fp32). Default False."""
+    check_grad_overflow: bool
+    """Skip a step whose gradients hold inf/nan instead of raising (also spelled
+    ``check_overflow``). Default False."""
 
 
 @dataclass(frozen=True, repr=False, eq=False)
@@ -344,7 +347,8 @@ def build_fp16(section: dict[str, Any]) -> Fp16Config:
 
 
 def build_bf16(section: dict[str, Any]) -> Bf16Config:
-    return _build(Bf16Config, section, "bf16")
+    skip = bool(_field_value(section, "bf16", "check_grad_overflow") or _field_value(section, "bf16", "check_overflow"))
+    return _build(Bf16Config, section, "bf16", check_grad_overflow=skip)
 
 
 def build_optimizer(section: dict[str, Any] | None) -> OptimizerConfig | None:

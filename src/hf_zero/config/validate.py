@@ -10,6 +10,7 @@ private copy made by loading.py.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,7 +32,7 @@ from .keys import (
 )
 from .kinds import BadValue, Opaque, Section, closest
 
-__all__ = ["AUTO", "as_json", "validate", "get_path", "present_specs", "canonical_optimizer", "NOT_IMPLEMENTED_RULE"]
+__all__ = ["AUTO", "as_json", "config_warnings", "validate", "get_path", "present_specs", "canonical_optimizer", "NOT_IMPLEMENTED_RULE"]
 
 AUTO = "auto"
 NOT_IMPLEMENTED_RULE = "accepted by DeepSpeed, not implemented in hf_zero yet"
@@ -284,6 +285,13 @@ def _check_precision(root: dict[str, Any], problems: ProblemList) -> None:
     if get_path(root, "fp16.enabled", False) is True and get_path(root, "bf16.enabled", False) is True:
         fix = "set fp16.enabled or bf16.enabled to false"
         problems.add("bf16.enabled", True, "fp16 and bf16 cannot both be enabled", fix)
+    power, floor = get_path(root, "fp16.initial_scale_power", 16), get_path(root, "fp16.min_loss_scale", 1)
+    dynamic = get_path(root, "fp16.loss_scale", 0) == 0
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (power, floor))
+    if get_path(root, "fp16.enabled", False) is True and dynamic and numbers and 0 <= power <= 64 and floor > 2.0**power:
+        problems.add("fp16.min_loss_scale", floor,
+                     f"is above the initial loss scale 2**initial_scale_power = {2.0 ** power:g}, so the first "
+                     "overflow could never lower the scale", f"write at most {2.0 ** power:g}, or raise initial_scale_power")
 
 
 def _check_offload(root: dict[str, Any], problems: ProblemList) -> None:
@@ -414,3 +422,45 @@ def _check_batch(root: dict[str, Any], problems: ProblemList) -> None:
     pending = any(v is not None and _int(v) is None for v in values)
     micro, gas, total = (_int(v) for v in values)
     problems.extend(derive_batch(micro, gas, total, None, pending=pending).problems)
+
+
+# ---- warnings: valid, but probably not what was meant ---------------------------------------
+
+
+def config_warnings(root: dict[str, Any]) -> list[str]:
+    """Values hf_zero runs with that a user would want to hear about (``check-config`` prints
+    them; ``HfZeroConfig`` logs them)."""
+    found = []
+    zero = root.get("zero_optimization") if isinstance(root.get("zero_optimization"), dict) else {}
+    for key in ("reduce_bucket_size", "allgather_bucket_size"):
+        if zero.get(key) == 0:
+            found.append(f"zero_optimization.{key} = 0: one collective per unit group (no bucketing; DeepSpeed "
+                         f"rejects 0). Fix: remove it for the default 5e8, or write e.g. 5e7 for smaller buckets")
+    if zero.get("stage") == 3 and zero.get("stage3_max_live_parameters") == 0:
+        found.append("zero_optimization.stage3_max_live_parameters = 0: no gathered parameter is kept beyond the "
+                     "unit in use, so nothing is prefetched. Fix: remove it for the default 1e9")
+    found += _scheduler_warnings(root)
+    for name in ("offload_param", "offload_optimizer"):
+        section = zero.get(name)
+        if isinstance(section, dict) and section.get("device") == "nvme" and isinstance(section.get("nvme_path"), str):
+            path = section["nvme_path"]
+            if os.path.isfile(path):  # a warning: the config may be checked on another machine than the run's
+                found.append(f"zero_optimization.{name}.nvme_path = {path!r} is a file on this machine; offload writes "
+                             "its files into a directory. Fix: point nvme_path at a directory on the NVMe drive")
+            elif not os.path.exists(path):
+                found.append(f"zero_optimization.{name}.nvme_path = {path!r} does not exist on this machine. Fix: create "
+                             "it on every machine before training, or point it at a directory on the NVMe drive")
+    return found
+
+
+def _scheduler_warnings(root: dict[str, Any]) -> list[str]:
+    scheduler = root.get("scheduler")
+    params = scheduler.get("params") if isinstance(scheduler, dict) else None
+    if not isinstance(params, dict) or scheduler.get("type") not in ("WarmupDecayLR", "WarmupCosineLR"):
+        return []
+    total, warmup = params.get("total_num_steps"), params.get("warmup_num_steps", 1000)
+    if isinstance(total, int) and isinstance(warmup, int) and total < warmup:
+        return [f"scheduler.params.total_num_steps = {total} is below warmup_num_steps ({warmup}): {scheduler['type']} "
+                "ends before its warmup does, so the learning rate never reaches warmup_max_lr. Fix: write at least "
+                f"{warmup}, or shorten warmup_num_steps"]
+    return []

@@ -78,6 +78,11 @@ class ZeroEngine(nn.Module):
         if optimizer is not None and optimizer.overlapped is not None:
             self.protocol.on_grads_final = optimizer.overlapped.submit
         self.protocol.install()
+        comm.where = self._progress  # named by collective errors ([Note: collective errors])
+
+    def _progress(self) -> str:
+        return (f"optimizer step {self.global_steps + 1} (micro-step {self.micro_steps + 1}, "
+                f"accumulation boundary {self.is_gradient_accumulation_boundary()})")
 
     # ------------------------------------------------------------------ identity
     @property
@@ -107,8 +112,11 @@ class ZeroEngine(nn.Module):
 
     @property
     def skipped_steps(self) -> int:
-        scaler = self.optimizer.loss_scaler if self.optimizer is not None else None
-        return int(getattr(scaler, "skipped_steps", 0)) if scaler is not None else 0
+        if self.optimizer is None:
+            return 0
+        scaler = self.optimizer.loss_scaler
+        scaler_skipped = int(getattr(scaler, "skipped_steps", 0)) if scaler is not None else 0
+        return scaler_skipped + self.optimizer.nonfinite_skipped_steps
 
     def get_lr(self) -> list[float]:
         if self.optimizer is None:
@@ -173,17 +181,28 @@ class ZeroEngine(nn.Module):
             if self._timers is not None:
                 self._timers.start("step")
             self.protocol.release_all()  # a unit kept gathered would go stale
-            self.optimizer.step()
+            try:
+                self.optimizer.step()
+            except FloatingPointError:  # a dropped step ([Note: non-finite steps]) still ends the boundary
+                self._end_boundary(start)
+                raise
             self._step_applied = not self.optimizer.overflow
             if self._step_applied and self.lr_scheduler is not None:
                 self.lr_scheduler.step(**(lr_kwargs or {}))
-            if self._timers is not None:
-                self._timers.stop("step")
-            self.global_steps += 1
-            self.global_samples += self.train_batch_size()
-            self._last_step_time_s = time.perf_counter() - start
+            self._end_boundary(start)
             self._maybe_print_progress()
+            return
         self.micro_steps += 1
+
+    def _end_boundary(self, start: float) -> None:
+        """Count an optimizer step, applied or skipped (DeepSpeed counts skipped steps too), so
+        that the accumulation boundaries after it fall where they would have."""
+        if self._timers is not None:
+            self._timers.stop("step")
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+        self.micro_steps += 1
+        self._last_step_time_s = time.perf_counter() - start
 
     def _maybe_print_progress(self) -> None:
         """``steps_per_print``: one line on rank 0 every N optimizer steps."""

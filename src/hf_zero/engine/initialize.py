@@ -10,14 +10,16 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from hf_zero.comm import Communicator, default_device, ensure_process_group
+from hf_zero.comm import Communicator, default_device, ensure_process_group, hf_zero_timeout_s
 from hf_zero.config import HfZeroConfig
+from hf_zero.config.validate import config_warnings
 from hf_zero.engine.engine import ZeroEngine
 from hf_zero.engine.loss_scaler import build_loss_scaler
 from hf_zero.engine.optimizer import ZeroAdam, ZeroOptimizer
 from hf_zero.engine.optimizer_kinds import check_optimizer, refuse_shape_aware
 from hf_zero.engine.param_source import SOURCE_ATTRIBUTE, ParamSource
 from hf_zero.engine.overlap_step import OverlappedOffloadStep, can_overlap
+from hf_zero.engine.rank_agreement import TIMEOUT_ENV, agree, collective_timeout_s, fingerprint
 from hf_zero.engine.schedulers import build_scheduler
 from hf_zero.engine.unit import ZeroUnit
 from hf_zero.offload import NvmeOptimizerStore, NvmeParamStore, OffloadSettings, units_to_offload
@@ -170,17 +172,26 @@ def initialize(
     if config is None:
         raise ValueError("hf_zero.initialize needs config= (an HfZeroConfig, a dict or a JSON path)")
     device = default_device()
-    ensure_process_group(device)
-    comm = Communicator()
-    resolved = HfZeroConfig(config).resolve(world_size=comm.world_size, hidden_size=hidden_size_of(model))
+    comm, parsed, local_error = _join_group(device, config)
+    resolved = param_group_of = hyper = plan = prints = None
+    if local_error is None:  # until agree(): nothing that another rank could wait on
+        try:
+            resolved = parsed.resolve(world_size=comm.world_size, hidden_size=hidden_size_of(model))
+            if isinstance(optimizer, torch.optim.Optimizer):  # [Note: element-wise optimizers]
+                check_optimizer(optimizer, resolved.zero_allow_untested_optimizer, comm.rank)
+            param_group_of, hyper = _param_group_index(model, optimizer, model_parameters)
+            plan = plan_units(model, resolved.zero.wrap_modules)
+            prints = fingerprint(resolved.to_dict(), hyper, plan.units)
+        except Exception as exc:
+            local_error = exc
+    agree(comm, "hf_zero.initialize", local_error, prints)  # see [Note: rank agreement]
     resolved.log_summary(comm.rank)
-    if isinstance(optimizer, torch.optim.Optimizer):  # before any shard is built: [Note: element-wise optimizers]
-        check_optimizer(optimizer, resolved.zero_allow_untested_optimizer, comm.rank)
+    if comm.rank == 0:
+        for warning in config_warnings(resolved.to_dict()):
+            logger.warning("hf_zero config: %s", warning)
 
     source = _lazy_source(model)
     _place_buffers(model, device, comm, source)
-    param_group_of, hyper = _param_group_index(model, optimizer, model_parameters)
-    plan = plan_units(model, resolved.zero.wrap_modules)
     threshold = int(resolved.zero.stage3_param_persistence_threshold) if resolved.stage == 3 else 0
     offload = _offload_settings(resolved, optimizer)
     if offload.params == "nvme":
@@ -219,6 +230,7 @@ def initialize(
         zero_optimizer = ZeroOptimizer(inner, trainable, comm, resolved.gradient_clipping, resolved.stage,
                                        allgather_bucket_numel=int(resolved.zero.allgather_bucket_size))
         zero_optimizer.loss_scaler = build_loss_scaler(**_loss_scaler_kwargs(resolved))
+        zero_optimizer.skip_nonfinite = resolved.bf16.enabled and resolved.bf16.check_grad_overflow
         if offload.optimizer == "nvme":
             zero_optimizer.nvme = _nvme_store(offload, comm.rank, trainable)
         if offload.optimizer_on_host and can_overlap(inner, resolved.gradient_clipping, resolved.fp16.enabled,
@@ -228,6 +240,24 @@ def initialize(
     engine = ZeroEngine(model, resolved, comm, device, units, plan.rule, zero_optimizer, scheduler)
     dataloader = _build_dataloader(training_data, resolved, comm, collate_fn)
     return engine, zero_optimizer, dataloader, scheduler
+
+
+def _join_group(device: torch.device, config: Any) -> tuple[Communicator, Any, Exception | None]:
+    """Join the process group (with the collective timeout when hf_zero creates it) even when
+    the config is bad, so that every rank can hear of the error (see [Note: rank agreement])."""
+    parsed, local_error = None, None
+    try:
+        parsed = HfZeroConfig(config)
+        timeout = collective_timeout_s(parsed.to_dict())
+    except Exception as exc:
+        local_error, timeout = exc, collective_timeout_s({})
+    ensure_process_group(device, timeout_s=timeout)
+    applied = hf_zero_timeout_s()
+    if timeout is not None and applied != timeout:
+        logger.warning("hf_zero: collective_timeout_s / %s (%g s) is not applied to the default process group, "
+                       "which was created before this hf_zero.initialize; set its timeout where it is created "
+                       "(Accelerate: InitProcessGroupKwargs(timeout=...))", TIMEOUT_ENV, timeout)
+    return Communicator(timeout_s=applied), parsed, local_error
 
 
 def _lazy_source(model: nn.Module) -> ParamSource | None:

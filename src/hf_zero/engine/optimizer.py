@@ -10,6 +10,7 @@ over all shards of all ranks, the inner step, then the all-gather of updated par
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections import OrderedDict
 from typing import Any, Callable, Iterable, Iterator
@@ -20,6 +21,8 @@ from hf_zero.comm import Communicator
 from hf_zero.engine.buckets import all_gather_updated
 from hf_zero.engine.flat_group import FlatParamGroup
 from hf_zero.transfer import assert_not_host, is_host_store, mark_host, to_compute
+
+logger = logging.getLogger("hf_zero")
 
 # torch.nn.utils.clip_grad_norm_ uses the same epsilon; matching it keeps parity exact.
 CLIP_EPS = 1e-6
@@ -105,6 +108,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.stage = stage
         self.allgather_bucket_numel = allgather_bucket_numel  # see [Note: buckets]
         self.loss_scaler: Any = None  # set by the engine for fp16
+        # [Note: non-finite steps] below: skip (bf16.check_grad_overflow) or raise
+        self.skip_nonfinite = False
+        self.nonfinite_skipped_steps = 0
         self.overflow = False
         self.global_grad_norm: float | None = None
         self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
@@ -207,10 +213,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.overflow = nonfinite
         if nonfinite:
             self.global_grad_norm = math.inf
-            if self.loss_scaler is None:
-                _raise_nonfinite()
-            self.loss_scaler.update_scale(True)
             self.zero_grad()
+            if self.loss_scaler is not None:
+                self.loss_scaler.update_scale(True)
+                return
+            self._nonfinite_step()
             return
         self.global_grad_norm = norm = math.sqrt(sqnorm) / scale
         clip_coef = 1.0
@@ -279,11 +286,32 @@ class ZeroOptimizer(torch.optim.Optimizer):
         local = torch.tensor([sqnorm, float(nonfinite)], dtype=torch.float32, device=self.device)
         sqnorm, self.overflow, _ = self._all_ranks_norm(local)
         self.global_grad_norm = math.inf if self.overflow else math.sqrt(sqnorm)
-        if self.overflow:
+        if self.overflow:  # some group on some rank: undo every group stepped, on every rank
+            self.overlapped.roll_back()
             self.zero_grad()
-            _raise_nonfinite()
+            self._nonfinite_step()
+            return
+        self.overlapped.commit()
         all_gather_updated(self.groups, self.comm, self.allgather_bucket_numel)
         self.zero_grad()
+
+    def _nonfinite_step(self) -> None:
+        """A step whose gradients hold inf/nan on some rank, in fp32/bf16 (no loss scaler).
+
+        [Note: non-finite steps]
+        By the time this runs the step's gradients are dropped and nothing else changed on any
+        rank: parameters, masters, moments and step counts are as before the step (the
+        overlapped offload step restored the groups it had stepped: see [Note: overlapped
+        offload step]), and the engine does not step the scheduler. Every rank reaches this
+        together (the non-finite flag is all-reduced). Then, as configured: skip the step and
+        count it (``bf16.check_grad_overflow``, DeepSpeed's key), or raise FloatingPointError.
+        Either way the next step trains normally, without a ``zero_grad()``."""
+        if self.skip_nonfinite:
+            self.nonfinite_skipped_steps += 1
+            logger.warning("hf_zero: step skipped: non-finite gradients (inf or nan); %d skipped so far",
+                           self.nonfinite_skipped_steps)
+            return
+        raise FloatingPointError(_nonfinite_message(self.gradient_clipping))
 
     def _nvme_step(self, scale: float, clip_coef: float) -> None:
         for group in self.groups:
@@ -310,8 +338,13 @@ def _skipping_unused(groups: list[FlatParamGroup], used: list[bool]) -> Iterator
             master.grad = grad
 
 
-def _raise_nonfinite() -> None:
-    raise FloatingPointError(
-        "non-finite gradients (inf or nan) in a bf16/fp32 run; hf_zero does not skip steps "
-        "without fp16 loss scaling. Check the data and the learning rate, or enable gradient_clipping"
+def _nonfinite_message(gradient_clipping: float) -> str:
+    clipping = (f"gradient_clipping ({gradient_clipping:g}) cannot help: it scales finite gradients, and an "
+                "inf/nan norm has no finite scale" if gradient_clipping > 0
+                else "gradient_clipping cannot fix inf/nan either")
+    return (
+        "non-finite gradients (inf or nan) on some rank; the step was dropped: parameters, optimizer state "
+        "and scheduler are unchanged on every rank, and the next step trains normally (catch this error "
+        "to go on, or set bf16.check_grad_overflow: true to skip such steps under bf16). "
+        f"Look for an inf/nan loss, bad data or too high a learning rate; {clipping}"
     )

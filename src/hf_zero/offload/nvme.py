@@ -15,12 +15,17 @@ before anything is written.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
+import logging
 import os
+import re
 import shutil
 from typing import Any, Callable, Iterator
 
 import torch
+
+logger = logging.getLogger("hf_zero")
 
 STATES = ("master", "exp_avg", "exp_avg_sq")
 
@@ -57,17 +62,70 @@ def pread_all(fd: int, view: memoryview, offset: int, path: str) -> None:
         done += read
 
 
+def format_bytes(count: int) -> str:
+    """Bytes in the largest binary unit that keeps a figure above 1 (never "0.00 GiB")."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= size:
+            return f"{count / size:.2f} {unit}"
+    return f"{count} bytes"
+
+
+def ranks_on_this_machine() -> int:
+    """How many ranks the launcher started on this machine (they share a local nvme_path)."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
 def check_nvme_path(path: str | None, needed_bytes: int, what: str = "the optimizer state of this rank") -> None:
+    """The path exists, is writable, and has room for this machine's ranks together: every rank
+    on a machine writes the same amount there, so one rank's need times ``LOCAL_WORLD_SIZE``."""
     if not path:
         raise ValueError("offload device \"nvme\" needs zero_optimization.offload_*.nvme_path")
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"nvme_path {path!r} does not exist; create it or point nvme_path at a directory on the NVMe drive")
+        raise FileNotFoundError(f"nvme_path {path!r} does not exist or is not a directory; create it or point "
+                                "nvme_path at a directory on the NVMe drive")
     if not os.access(path, os.W_OK | os.X_OK):
         raise PermissionError(f"nvme_path {path!r} is not writable by this process; fix its permissions or choose another directory")
+    report_stale_folders(path)
     free = shutil.disk_usage(path).free
-    if free < needed_bytes:
-        raise OSError(f"nvme_path {path!r} has {free / 2**30:.2f} GiB free, {what} needs "
-                      f"{needed_bytes / 2**30:.2f} GiB; free space or choose a larger drive")
+    ranks = ranks_on_this_machine()
+    if free < needed_bytes * ranks:
+        together = f", {format_bytes(needed_bytes * ranks)} for the {ranks} ranks on this machine" if ranks > 1 else ""
+        raise OSError(f"nvme_path {path!r} has {format_bytes(free)} free; {what} needs "
+                      f"{format_bytes(needed_bytes)}{together}; free space or choose a larger drive")
+
+
+_RANK_FOLDER = re.compile(r"^hf_zero-rank\d+-pid(\d+)$")
+
+
+def report_stale_folders(path: str) -> list[str]:
+    """Folders of hf_zero processes that no longer run on this machine (a killed run leaves its
+    files). Reported, not removed: nvme_path may be shared with another machine, whose process
+    ids mean nothing here."""
+    stale = []
+    for entry in os.listdir(path):
+        match = _RANK_FOLDER.match(entry)
+        if match and int(match.group(1)) != os.getpid() and not _pid_alive(int(match.group(1))):
+            stale.append(entry)
+    if stale:
+        size = sum(os.path.getsize(os.path.join(root, name)) for entry in stale
+                   for root, _, names in os.walk(os.path.join(path, entry)) for name in names)
+        logger.warning("hf_zero: nvme_path %s holds %d folder(s) of hf_zero runs whose process is gone (%s, %s): "
+                       "if no other machine writes there, delete them to free the space", path, len(stale),
+                       ", ".join(sorted(stale)[:5]), format_bytes(size))
+    return stale
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class NvmeOptimizerStore:
@@ -142,6 +200,38 @@ class NvmeOptimizerStore:
             write_compute(tiles["master"], start)
             for state, tile in tiles.items():
                 self.write(index, state, start, tile)
+
+    # ---------------------------------------------------------- undo copies (overlapped step)
+    def snapshot(self, index: int) -> tuple[int, list[str]]:
+        """Copies of group ``index``'s files and its step count, for :meth:`restore`."""
+        copies = []
+        for state in STATES:
+            copy = self.path(index, state) + ".undo"
+            shutil.copyfile(self.path(index, state), copy)
+            copies.append(copy)
+        return self.steps[index], copies
+
+    def restore(self, index: int, saved: tuple[int, list[str]],
+                write_compute: Callable[[torch.Tensor, int], None]) -> None:
+        """Group ``index`` as :meth:`snapshot` copied it; the compute shard rewritten from the master."""
+        steps, copies = saved
+        buffer = torch.empty(self.tile_numel, dtype=torch.float32)
+        for state, copy in zip(STATES, copies):  # a tile at a time: memory stays at one tile
+            with open(copy, "rb") as src:
+                for start in range(0, self.numels[index], self.tile_numel):
+                    tile = buffer[: min(self.tile_numel, self.numels[index] - start)]
+                    src.readinto(byte_view(tile))
+                    self.write(index, state, start, tile)
+        self.steps[index] = steps
+        for start, tile in zip(range(0, self.numels[index], self.tile_numel), self.iter_tiles(index, "master")):
+            write_compute(tile, start)
+        self.drop_snapshot(saved)
+
+    @staticmethod
+    def drop_snapshot(saved: tuple[int, list[str]]) -> None:
+        for copy in saved[1]:
+            with contextlib.suppress(OSError):
+                os.remove(copy)
 
     def close(self) -> None:
         for (index, state), fd in self._fds.items():
