@@ -212,7 +212,13 @@ class FlatParamGroup:
             self.master = self.shard.to(torch.float32, copy=True)
         else:
             self.master = self.shard if compute_dtype == torch.float32 else self.shard.float()
-        self.grad_full = torch.zeros(self.layout.padded_numel, dtype=compute_dtype, device=device)
+        if self.stage == 0:
+            self.grad_full = torch.zeros(self.layout.padded_numel, dtype=compute_dtype, device=device)
+        else:
+            # Freed at once below, so never written: zeroing it would make every page resident
+            # and, through the host allocator, keep a full unit's bytes per group after the load
+            # (prepare_grads zeroes it when a backward first needs it).
+            self.grad_full = torch.empty(self.layout.padded_numel, dtype=compute_dtype, device=device)
         if self.stage == 0 and compute_dtype == torch.float32:
             self.grad_shard = self.grad_full  # all-reduced in place, already fp32
             self.master.grad = self.grad_shard
