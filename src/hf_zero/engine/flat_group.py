@@ -164,12 +164,17 @@ class FlatParamGroup:
         return full
 
     def _fill_from_source(self, source: ParamSource, out: torch.Tensor, lo: int, hi: int) -> None:
-        """Elements [lo, hi) of the flat buffer, read parameter by parameter from ``source``."""
-        for slot in self.layout.slots:
+        """Elements [lo, hi) of the flat buffer, read parameter by parameter from ``source``
+        (a parameter that is already real, such as a resized embedding, gives its own values)."""
+        for slot, param in zip(self.layout.slots, self.params):
             start, stop = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-            if start < stop:
+            if start >= stop:
+                continue
+            if param.is_meta:
                 source.fill_(slot.name, slot.shape, start - slot.offset, stop - slot.offset,
                              out[start - lo : stop - lo])
+            else:
+                out[start - lo : stop - lo].copy_(param.detach().reshape(-1)[start - slot.offset : stop - slot.offset])
 
     def _bind_param_views(self) -> None:
         for slot, param in zip(self.layout.slots, self.params):

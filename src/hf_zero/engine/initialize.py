@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from hf_zero.comm import Communicator, default_device, ensure_process_group
 from hf_zero.config import HfZeroConfig
+from hf_zero.engine.deferred_load import disarm_materialisation
 from hf_zero.engine.engine import ZeroEngine
 from hf_zero.engine.loss_scaler import build_loss_scaler
 from hf_zero.engine.optimizer import ZeroAdam, ZeroOptimizer
@@ -173,6 +174,8 @@ def initialize(
     resolved.log_summary(comm.rank)
 
     source = _lazy_source(model)
+    if source is not None:
+        _agree_on_real_params(model, comm, device)
     _place_buffers(model, device, comm, source)
     param_group_of, hyper = _param_group_index(model, optimizer, model_parameters)
     plan = plan_units(model, resolved.zero.wrap_modules)
@@ -224,6 +227,7 @@ def initialize(
 def _lazy_source(model: nn.Module) -> ParamSource | None:
     """The weight source of a model loaded with its parameters on the meta device (sharded
     loading, see hf_zero.integrations.zero3_loading), after checking it covers every one."""
+    disarm_materialisation(model)  # see [Note: materialising on first use]
     meta = [name for name, p in model.named_parameters() if p.is_meta]
     if not meta:
         return None
@@ -243,6 +247,18 @@ def _lazy_source(model: nn.Module) -> ParamSource | None:
             "fully built model"
         )
     return source
+
+
+def _agree_on_real_params(model: nn.Module, comm: Communicator, device: torch.device) -> None:
+    """A lazily loaded model may hold a few real parameters beside its meta ones (embeddings
+    resized before initialize: their new rows are random). The groups take them as they are, so
+    every rank must hold rank 0's values, as a fully built model's would be broadcast."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if not param.is_meta:
+                on_device = param.data.to(device)  # the collective's device (nccl: the GPU)
+                comm.broadcast_(on_device, src=0, label=f"real_param.{name}")
+                param.data.copy_(on_device)
 
 
 def _place_buffers(model: nn.Module, device: torch.device, comm: Communicator, source: ParamSource | None) -> None:

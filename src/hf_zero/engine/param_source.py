@@ -103,6 +103,10 @@ class SafetensorsSource:
     def has(self, name: str) -> bool:
         return self.key_for(name) is not None
 
+    def first_floating_dtype(self) -> torch.dtype | None:
+        """The dtype of the checkpoint's first floating-point tensor (what ``dtype="auto"`` reads)."""
+        return next((dtype for _, dtype, _, _ in self._entries.values() if dtype.is_floating_point), None)
+
     def fill_(self, name: str, shape: tuple[int, ...], start: int, stop: int, out: torch.Tensor) -> None:
         key = self.key_for(name)
         if key is None:
