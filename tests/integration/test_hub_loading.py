@@ -86,20 +86,21 @@ def _plain_logits(folder: str, ids: torch.Tensor, attn_implementation: str | Non
         return model(input_ids=ids).logits
 
 
-# The ways a model is named, as (from_pretrained arguments, the folder a plain load reads).
-def _variants(hub: dict[str, str]) -> dict[str, tuple[str, dict[str, Any], str]]:
+# The ways a model is named, as (class, from_pretrained arguments, the folder a plain load reads).
+# Auto classes resolve config attributes themselves; a model class leaves them to from_pretrained.
+def _variants(hub: dict[str, str]) -> dict[str, tuple[str, str, dict[str, Any], str]]:
     from transformers import AutoConfig
 
     return {
-        "hub id": (REPO_ID, {}, hub["main"]),
-        "hub id, revision": (REPO_ID, {"revision": OTHER}, hub["other"]),
-        "hub id, run_clm keywords": (REPO_ID, dict(
+        "hub id": ("AutoModelForCausalLM", REPO_ID, {}, hub["main"]),
+        "hub id, revision": ("AutoModelForCausalLM", REPO_ID, {"revision": OTHER}, hub["other"]),
+        "hub id, run_clm keywords": ("AutoModelForCausalLM", REPO_ID, dict(
             from_tf=False, config=AutoConfig.from_pretrained(hub["main"]), cache_dir=hub["cache"],
             revision="main", token=None, trust_remote_code=False, dtype="auto",
             low_cpu_mem_usage=True), hub["main"]),
-        "hub id, TRL keywords": (REPO_ID, dict(
+        "hub id, TRL keywords": ("LlamaForCausalLM", REPO_ID, dict(
             torch_dtype=torch.float32, attn_implementation="eager", use_cache=False), hub["main"]),
-        "folder, subfolder": (hub["nested"], {"subfolder": "checkpoint"}, hub["main"]),
+        "folder, subfolder": ("AutoModelForCausalLM", hub["nested"], {"subfolder": "checkpoint"}, hub["main"]),
     }
 
 
@@ -107,19 +108,19 @@ def _load_every_way(hub: dict[str, str]) -> dict[str, Any]:
     ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(0))
     out: dict[str, Any] = {}
     with _Warnings() as warnings:
-        for name, (path, kwargs, plain_folder) in _variants(hub).items():
-            out[name] = _load_one_way(path, kwargs, plain_folder, ids)
+        for name, (cls, path, kwargs, plain_folder) in _variants(hub).items():
+            out[name] = _load_one_way(cls, path, kwargs, plain_folder, ids)
     out["warnings"] = warnings.messages
     return out
 
 
-def _load_one_way(path: str, kwargs: dict[str, Any], plain_folder: str, ids: torch.Tensor) -> dict[str, Any]:
+def _load_one_way(cls: str, path: str, kwargs: dict[str, Any], plain_folder: str, ids: torch.Tensor) -> dict[str, Any]:
     import transformers
 
     import hf_zero
 
     live = hf_zero.HfZeroConfig(ZERO3)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    model = getattr(transformers, cls).from_pretrained(path, **kwargs)
     on_meta = all(p.is_meta for p in model.parameters())
     engine, *_ = hf_zero.initialize(model=model, config=live)
     with torch.no_grad():
