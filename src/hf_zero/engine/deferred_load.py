@@ -102,8 +102,8 @@ def materialise(model: nn.Module, reason: str = "use") -> None:
                 source.fill_(name, tuple(buf.shape), 0, buf.numel(), buf.view(-1))
     delattr(model, SOURCE_ATTRIBUTE)
     logger.info("hf_zero: %s was loaded under a live stage-3 config but no engine took it; %s() "
-                "read its %d parameters whole from %s on this rank", type(model).__name__, reason,
-                count, source.files[0] if len(source.files) == 1 else f"{len(source.files)} files")
+                "made its %d parameters whole from %s on this rank", type(model).__name__, reason,
+                count, source.description)
 
 
 def _read_whole(source: Any, name: str, param: nn.Parameter) -> None:

@@ -176,6 +176,8 @@ def initialize(
     source = _lazy_source(model)
     if source is not None:
         _agree_on_real_params(model, comm, device)
+        if hasattr(source, "agree_across_ranks"):  # see [Note: sharded initialisation]
+            source.agree_across_ranks(comm, device)
     _place_buffers(model, device, comm, source)
     param_group_of, hyper = _param_group_index(model, optimizer, model_parameters)
     plan = plan_units(model, resolved.zero.wrap_modules)

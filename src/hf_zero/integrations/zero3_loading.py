@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from hf_zero.engine.deferred_load import arm_materialisation
-from hf_zero.engine.param_source import SOURCE_ATTRIBUTE, SafetensorsSource
+from hf_zero.engine.param_source import SOURCE_ATTRIBUTE, InitSource, SafetensorsSource
 
 logger = logging.getLogger("hf_zero")
 
@@ -102,6 +102,17 @@ def install() -> None:
 
     from_pretrained.__doc__ = original.__doc__
     PreTrainedModel.from_pretrained = classmethod(from_pretrained)
+    original_from_config = PreTrainedModel._from_config.__func__
+
+    def _from_config(cls: Any, config: Any, **kwargs: Any) -> Any:
+        from hf_zero.config.live import live_zero3_config
+
+        if live_zero3_config() is None:
+            return original_from_config(cls, config, **kwargs)
+        return lazy_from_config(cls, config, **kwargs)
+
+    _from_config.__doc__ = original_from_config.__doc__
+    PreTrainedModel._from_config = classmethod(_from_config)
     _installed = True
 
 
@@ -227,6 +238,46 @@ def lazy_from_pretrained(cls: Any, path: str, plan: LazyPlan, **kwargs: Any) -> 
     if kwargs.get("output_loading_info"):
         return model, {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "error_msgs": []}
     return model
+
+
+def lazy_from_config(cls: Any, config: Any, **kwargs: Any) -> Any:
+    """``from_config`` on the meta device, initialised unit by unit by ``initialize`` (see
+    [Note: sharded initialisation] in hf_zero.engine.param_source)."""
+    from accelerate import init_empty_weights
+
+    config = copy.deepcopy(config)
+    dtype = kwargs.pop("dtype", None) or kwargs.pop("torch_dtype", None) or getattr(config, "dtype", None)
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else (dtype or torch.get_default_dtype())
+    config.dtype = dtype
+    for name in ("attn_implementation", "experts_implementation"):
+        if name in kwargs:
+            setattr(config, f"_{name}", kwargs.pop(name))
+    with init_empty_weights(include_buffers=False), _default_dtype(dtype):
+        model = cls(config, **kwargs)
+    model.tie_weights()
+    base_seed = int(torch.randint(0, 2**62, (1,)).item())  # replaced by rank 0's in initialize
+    setattr(model, SOURCE_ATTRIBUTE, InitSource(model, _transformers_init(model), base_seed))
+    arm_materialisation(model)
+    logger.info("hf_zero: %s from a config on the meta device; hf_zero.initialize initialises each "
+                "rank's shards one module at a time", cls.__name__)
+    return model
+
+
+def _transformers_init(model: Any) -> Any:
+    """``init_module(name, module)``: the ``_init_weights`` of the nearest PreTrainedModel above
+    ``name`` (composite models initialise their parts their own way)."""
+    from transformers import PreTrainedModel
+
+    def init_module(name: str, module: torch.nn.Module) -> None:
+        owner = model
+        parts = name.split(".") if name else []
+        for i in range(len(parts)):
+            candidate = model.get_submodule(".".join(parts[: i + 1]))
+            if isinstance(candidate, PreTrainedModel):
+                owner = candidate
+        owner._init_weights(module)
+
+    return init_module
 
 
 def _load_generation_config(model: Any, path: str, plan: LazyPlan, given: Any) -> None:
