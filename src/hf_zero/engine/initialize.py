@@ -14,6 +14,7 @@ from hf_zero.comm import Communicator, default_device, ensure_process_group
 from hf_zero.config import HfZeroConfig
 from hf_zero.engine.deferred_load import disarm_materialisation
 from hf_zero.engine.engine import ZeroEngine
+from hf_zero.engine.host_memory import return_freed_buffers_to_the_os
 from hf_zero.engine.loss_scaler import build_loss_scaler
 from hf_zero.engine.optimizer import ZeroAdam, ZeroOptimizer
 from hf_zero.engine.param_source import SOURCE_ATTRIBUTE, ParamSource
@@ -173,6 +174,7 @@ def initialize(
     resolved = HfZeroConfig(config).resolve(world_size=comm.world_size, hidden_size=hidden_size_of(model))
     resolved.log_summary(comm.rank)
 
+    return_freed_buffers_to_the_os()  # see [Note: freed buffers and the host allocator]
     source = _lazy_source(model)
     if source is not None:
         _agree_on_real_params(model, comm, device)
