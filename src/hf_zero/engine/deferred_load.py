@@ -114,3 +114,58 @@ def _read_whole(source: Any, name: str, param: nn.Parameter) -> None:
     value = torch.empty(param.shape, dtype=param.dtype)
     source.fill_(name, tuple(param.shape), 0, param.numel(), value.view(-1))
     torch.utils.swap_tensors(param, nn.Parameter(value, requires_grad=param.requires_grad))
+
+
+class WrappedModelSource:
+    """The weight source of a lazily loaded model seen from a wrapper around it (a PEFT model):
+    names lose the wrapper's prefix, and the ``.base_layer`` segment PEFT inserts when it wraps a
+    layer with an adapter."""
+
+    def __init__(self, source: Any, prefix: str) -> None:
+        self.source = source
+        self.prefix = prefix + "." if prefix else ""
+
+    def _inner(self, name: str) -> str:
+        if self.prefix and name.startswith(self.prefix):
+            name = name[len(self.prefix):]
+        return name.replace(".base_layer.", ".")
+
+    def has(self, name: str) -> bool:
+        return self.source.has(self._inner(name))
+
+    def fill_(self, name: str, shape: tuple[int, ...], start: int, stop: int, out: torch.Tensor) -> None:
+        self.source.fill_(self._inner(name), shape, start, stop, out)
+
+    def __getattr__(self, name: str) -> Any:  # description, agree_across_ranks
+        return getattr(self.source, name)
+
+
+def find_source(model: nn.Module) -> tuple[Any, nn.Module] | None:
+    """(the weight source as ``model``'s parameter names see it, the module that carries it)."""
+    for prefix, module in model.named_modules():
+        source = module.__dict__.get(SOURCE_ATTRIBUTE)
+        if source is not None:
+            return (WrappedModelSource(source, prefix) if prefix else source), module
+    return None
+
+
+def initialise_new_adapters(model: nn.Module) -> list[str]:
+    """Adapters added to a lazily loaded model (PEFT's LoRA layers) were created on the meta
+    device next to their base weights, so they have no values, and the checkpoint has none for
+    them: give them real storage and let the layer initialise them as PEFT would (``lora_B``
+    zero, ``lora_A`` random; ``initialize`` then takes rank 0's values). Returns their names."""
+    init_choice = {name: getattr(cfg, "init_lora_weights", True)
+                   for name, cfg in getattr(model, "peft_config", {}).items()}
+    made = []
+    for module_name, module in model.named_modules():
+        if not hasattr(module, "reset_lora_parameters"):
+            continue
+        for adapter in list(getattr(module, "lora_A", {})):
+            parts = [getattr(module, attr)[adapter] for attr in ("lora_A", "lora_B") if adapter in getattr(module, attr, {})]
+            if not any(p.is_meta for part in parts for p in part.parameters()):
+                continue
+            for part in parts:
+                part.to_empty(device="cpu")
+            module.reset_lora_parameters(adapter, init_choice.get(adapter, True))
+            made.append(f"{module_name}.lora_*.{adapter}")
+    return made

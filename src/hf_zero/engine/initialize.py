@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from hf_zero.comm import Communicator, default_device, ensure_process_group
 from hf_zero.config import HfZeroConfig
-from hf_zero.engine.deferred_load import disarm_materialisation
+from hf_zero.engine.deferred_load import disarm_materialisation, find_source, initialise_new_adapters
 from hf_zero.engine.engine import ZeroEngine
 from hf_zero.engine.host_memory import return_freed_buffers_to_the_os
 from hf_zero.engine.loss_scaler import build_loss_scaler
@@ -22,7 +22,7 @@ from hf_zero.engine.overlap_step import OverlappedOffloadStep, can_overlap
 from hf_zero.engine.schedulers import build_scheduler
 from hf_zero.engine.unit import ZeroUnit
 from hf_zero.offload import NvmeOptimizerStore, NvmeParamStore, OffloadSettings, units_to_offload
-from hf_zero.partition import is_persistent, plan_units
+from hf_zero.partition import KEEP_GATHERED, is_persistent, plan_units
 
 logger = logging.getLogger("hf_zero")
 
@@ -175,12 +175,13 @@ def initialize(
     resolved.log_summary(comm.rank)
 
     return_freed_buffers_to_the_os()  # see [Note: freed buffers and the host allocator]
-    source = _lazy_source(model)
+    source, source_owner = _lazy_source(model)
     if source is not None:
         _agree_on_real_params(model, comm, device)
         if hasattr(source, "agree_across_ranks"):  # see [Note: sharded initialisation]
             source.agree_across_ranks(comm, device)
     _place_buffers(model, device, comm, source)
+    _keep_adapters_gathered(model)
     param_group_of, hyper = _param_group_index(model, optimizer, model_parameters)
     plan = plan_units(model, resolved.zero.wrap_modules)
     threshold = int(resolved.zero.stage3_param_persistence_threshold) if resolved.stage == 3 else 0
@@ -200,8 +201,8 @@ def initialize(
         if offload.param_store is not None:  # a failed initialize leaves no files behind
             offload.param_store.close()
         raise
-    if source is not None:
-        delattr(model, SOURCE_ATTRIBUTE)  # the weights are in the shards now; close the files
+    if source_owner is not None:  # the weights are in the shards now; close the files
+        source_owner.__dict__.pop(SOURCE_ATTRIBUTE, None)
     if comm.rank == 0:
         logger.info("hf_zero: %d units (%s), stage %d, world size %d",
                     len(units), plan.rule, resolved.stage, comm.world_size)
@@ -228,20 +229,24 @@ def initialize(
     return engine, zero_optimizer, dataloader, scheduler
 
 
-def _lazy_source(model: nn.Module) -> ParamSource | None:
+def _lazy_source(model: nn.Module) -> tuple[ParamSource | None, nn.Module | None]:
     """The weight source of a model loaded with its parameters on the meta device (sharded
-    loading, see hf_zero.integrations.zero3_loading), after checking it covers every one."""
+    loading, see hf_zero.integrations.zero3_loading), after checking it covers every one, and
+    the module that carries it (the model, or the model inside a wrapper such as PEFT's)."""
     disarm_materialisation(model)  # see [Note: materialising on first use]
     meta = [name for name, p in model.named_parameters() if p.is_meta]
     if not meta:
-        return None
-    source = getattr(model, SOURCE_ATTRIBUTE, None)
-    if source is None:
+        return None, None
+    found = find_source(model)
+    if found is None:
         raise ValueError(
             f"{len(meta)} parameters of the model are on the meta device (e.g. {meta[:3]}) and "
             "nothing says where their values are; load the model with from_pretrained (with or "
             "without a live stage-3 HfZeroConfig) or materialise it before hf_zero.initialize"
         )
+    source, owner = found
+    if initialise_new_adapters(model):
+        meta = [name for name, p in model.named_parameters() if p.is_meta]
     absent = [name for name in meta if not source.has(name)]
     if absent:
         raise ValueError(
@@ -250,7 +255,7 @@ def _lazy_source(model: nn.Module) -> ParamSource | None:
             "Load this model without a live stage-3 HfZeroConfig: initialize then shards the "
             "fully built model"
         )
-    return source
+    return source, owner
 
 
 def _agree_on_real_params(model: nn.Module, comm: Communicator, device: torch.device) -> None:
@@ -263,6 +268,18 @@ def _agree_on_real_params(model: nn.Module, comm: Communicator, device: torch.de
                 on_device = param.data.to(device)  # the collective's device (nccl: the GPU)
                 comm.broadcast_(on_device, src=0, label=f"real_param.{name}")
                 param.data.copy_(on_device)
+
+
+def _keep_adapters_gathered(model: nn.Module) -> None:
+    """A PEFT model's trainable parameters (its adapters) stay gathered under stage 3. They are
+    a small fraction of the model, and PEFT's ``save_pretrained`` reads ``state_dict()`` outside
+    any forward: sharded adapters would be saved empty (the bug DeepSpeed ZeRO-3 users of PEFT
+    report). The frozen base model is sharded as usual."""
+    if getattr(model, "peft_config", None) is None:
+        return
+    for param in model.parameters():
+        if param.requires_grad:
+            setattr(param, KEEP_GATHERED, True)
 
 
 def _place_buffers(model: nn.Module, device: torch.device, comm: Communicator, source: ParamSource | None) -> None:
