@@ -44,7 +44,33 @@ def _build_sharded() -> dict[str, Any]:
         out["max_diff_to_one_rank"] = max(float((gathered[k] - alone[k]).abs().max()) for k in alone)
         out["std"] = {k: float(v.std()) for k, v in gathered.items()}
         out["mean"] = {k: float(v.mean()) for k, v in gathered.items()}
+    del engine, model, gathered
+    out.update(_peak_of_a_larger_build())
     return out
+
+
+def _rss_mb(field: str) -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) / 1024 for line in f if line.startswith(field + ":"))
+
+
+def _peak_of_a_larger_build() -> dict[str, float]:
+    """Peak resident growth of from_config + initialize for a 14.6M-parameter model (58 MiB)."""
+    import transformers
+
+    import hf_zero
+
+    config = transformers.LlamaConfig(vocab_size=4096, hidden_size=384, intermediate_size=1024,
+                                      num_hidden_layers=8, num_attention_heads=6, num_key_value_heads=3)
+    live = hf_zero.HfZeroConfig(ZERO3)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak restarts from the current resident size
+    before = _rss_mb("VmRSS")
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    engine, *_ = hf_zero.initialize(model=model, config=live)
+    largest_module = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    return {"peak_mb": _rss_mb("VmHWM") - before, "model_mb": sum(p.numel() for p in model.parameters()) * 4 / 2**20,
+            "shard_mb": engine.memory_report()["compute_params"] / 2**20, "largest_module_mb": largest_module * 4 / 2**20}
 
 
 def test_from_config_is_sharded_with_the_plain_distribution():
@@ -52,6 +78,10 @@ def test_from_config_is_sharded_with_the_plain_distribution():
 
     results = run_distributed(_build_sharded, 2)
     assert all(r["on_meta"] for r in results)
+    for r in results:  # the shard, one module's initialisation, and a little working memory
+        bound = r["shard_mb"] + r["largest_module_mb"] + 8
+        assert bound < 0.75 * r["model_mb"]  # far enough below the whole model to tell them apart
+        assert r["peak_mb"] < bound, f"+{r['peak_mb']:.1f} MiB per rank, bound {bound:.1f} MiB"
     r0 = results[0]
     assert r0["max_diff_to_one_rank"] == 0.0  # rank 1's half came from rank 0's seed too
     torch.manual_seed(0)
