@@ -164,12 +164,17 @@ class FlatParamGroup:
         return full
 
     def _fill_from_source(self, source: ParamSource, out: torch.Tensor, lo: int, hi: int) -> None:
-        """Elements [lo, hi) of the flat buffer, read parameter by parameter from ``source``."""
-        for slot in self.layout.slots:
+        """Elements [lo, hi) of the flat buffer, read parameter by parameter from ``source``
+        (a parameter that is already real, such as a resized embedding, gives its own values)."""
+        for slot, param in zip(self.layout.slots, self.params):
             start, stop = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-            if start < stop:
+            if start >= stop:
+                continue
+            if param.is_meta:
                 source.fill_(slot.name, slot.shape, start - slot.offset, stop - slot.offset,
                              out[start - lo : stop - lo])
+            else:
+                out[start - lo : stop - lo].copy_(param.detach().reshape(-1)[start - slot.offset : stop - slot.offset])
 
     def _bind_param_views(self) -> None:
         for slot, param in zip(self.layout.slots, self.params):
@@ -212,7 +217,13 @@ class FlatParamGroup:
             self.master = self.shard.to(torch.float32, copy=True)
         else:
             self.master = self.shard if compute_dtype == torch.float32 else self.shard.float()
-        self.grad_full = torch.zeros(self.layout.padded_numel, dtype=compute_dtype, device=device)
+        if self.stage == 0:
+            self.grad_full = torch.zeros(self.layout.padded_numel, dtype=compute_dtype, device=device)
+        else:
+            # Freed at once below, so never written: zeroing it would make every page resident
+            # and, through the host allocator, keep a full unit's bytes per group after the load
+            # (prepare_grads zeroes it when a backward first needs it).
+            self.grad_full = torch.empty(self.layout.padded_numel, dtype=compute_dtype, device=device)
         if self.stage == 0 and compute_dtype == torch.float32:
             self.grad_shard = self.grad_full  # all-reduced in place, already fp32
             self.master.grad = self.grad_shard

@@ -13,7 +13,9 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from hf_zero.comm import Communicator, default_device, ensure_process_group, hf_zero_timeout_s
 from hf_zero.config import HfZeroConfig
 from hf_zero.config.validate import config_warnings
+from hf_zero.engine.deferred_load import disarm_materialisation, find_source, initialise_new_adapters
 from hf_zero.engine.engine import ZeroEngine
+from hf_zero.engine.host_memory import return_freed_buffers_to_the_os
 from hf_zero.engine.loss_scaler import build_loss_scaler
 from hf_zero.engine.optimizer import ZeroAdam, ZeroOptimizer
 from hf_zero.engine.optimizer_kinds import check_optimizer, refuse_shape_aware
@@ -23,7 +25,7 @@ from hf_zero.engine.rank_agreement import TIMEOUT_ENV, agree, collective_timeout
 from hf_zero.engine.schedulers import build_scheduler
 from hf_zero.engine.unit import ZeroUnit
 from hf_zero.offload import NvmeOptimizerStore, NvmeParamStore, OffloadSettings, units_to_offload
-from hf_zero.partition import is_persistent, plan_units
+from hf_zero.partition import KEEP_GATHERED, is_persistent, plan_units
 
 logger = logging.getLogger("hf_zero")
 
@@ -190,8 +192,17 @@ def initialize(
         for warning in config_warnings(resolved.to_dict()):
             logger.warning("hf_zero config: %s", warning)
 
-    source = _lazy_source(model)
+    return_freed_buffers_to_the_os()  # see [Note: freed buffers and the host allocator]
+    source, source_owner = _lazy_source(model)
+    if source is not None:
+        _agree_on_real_params(model, comm, device)
+        if hasattr(source, "agree_across_ranks"):  # see [Note: sharded initialisation]
+            source.agree_across_ranks(comm, device)
     _place_buffers(model, device, comm, source)
+    _keep_adapters_gathered(model)
+    if source is not None:  # adapters made on the meta device are new Parameter objects now
+        param_group_of, hyper = _param_group_index(model, optimizer, model_parameters)
+        plan = plan_units(model, resolved.zero.wrap_modules)
     threshold = int(resolved.zero.stage3_param_persistence_threshold) if resolved.stage == 3 else 0
     offload = _offload_settings(resolved, optimizer)
     if offload.params == "nvme":
@@ -209,8 +220,8 @@ def initialize(
         if offload.param_store is not None:  # a failed initialize leaves no files behind
             offload.param_store.close()
         raise
-    if source is not None:
-        delattr(model, SOURCE_ATTRIBUTE)  # the weights are in the shards now; close the files
+    if source_owner is not None:  # the weights are in the shards now; close the files
+        source_owner.__dict__.pop(SOURCE_ATTRIBUTE, None)
     if comm.rank == 0:
         logger.info("hf_zero: %d units (%s), stage %d, world size %d",
                     len(units), plan.rule, resolved.stage, comm.world_size)
@@ -260,19 +271,24 @@ def _join_group(device: torch.device, config: Any) -> tuple[Communicator, Any, E
     return Communicator(timeout_s=applied), parsed, local_error
 
 
-def _lazy_source(model: nn.Module) -> ParamSource | None:
+def _lazy_source(model: nn.Module) -> tuple[ParamSource | None, nn.Module | None]:
     """The weight source of a model loaded with its parameters on the meta device (sharded
-    loading, see hf_zero.integrations.zero3_loading), after checking it covers every one."""
+    loading, see hf_zero.integrations.zero3_loading), after checking it covers every one, and
+    the module that carries it (the model, or the model inside a wrapper such as PEFT's)."""
+    disarm_materialisation(model)  # see [Note: materialising on first use]
     meta = [name for name, p in model.named_parameters() if p.is_meta]
     if not meta:
-        return None
-    source = getattr(model, SOURCE_ATTRIBUTE, None)
-    if source is None:
+        return None, None
+    found = find_source(model)
+    if found is None:
         raise ValueError(
             f"{len(meta)} parameters of the model are on the meta device (e.g. {meta[:3]}) and "
             "nothing says where their values are; load the model with from_pretrained (with or "
             "without a live stage-3 HfZeroConfig) or materialise it before hf_zero.initialize"
         )
+    source, owner = found
+    if initialise_new_adapters(model):
+        meta = [name for name, p in model.named_parameters() if p.is_meta]
     absent = [name for name in meta if not source.has(name)]
     if absent:
         raise ValueError(
@@ -281,7 +297,31 @@ def _lazy_source(model: nn.Module) -> ParamSource | None:
             "Load this model without a live stage-3 HfZeroConfig: initialize then shards the "
             "fully built model"
         )
-    return source
+    return source, owner
+
+
+def _agree_on_real_params(model: nn.Module, comm: Communicator, device: torch.device) -> None:
+    """A lazily loaded model may hold a few real parameters beside its meta ones (embeddings
+    resized before initialize: their new rows are random). The groups take them as they are, so
+    every rank must hold rank 0's values, as a fully built model's would be broadcast."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if not param.is_meta:
+                on_device = param.data.to(device)  # the collective's device (nccl: the GPU)
+                comm.broadcast_(on_device, src=0, label=f"real_param.{name}")
+                param.data.copy_(on_device)
+
+
+def _keep_adapters_gathered(model: nn.Module) -> None:
+    """A PEFT model's trainable parameters (its adapters) stay gathered under stage 3. They are
+    a small fraction of the model, and PEFT's ``save_pretrained`` reads ``state_dict()`` outside
+    any forward: sharded adapters would be saved empty (the bug DeepSpeed ZeRO-3 users of PEFT
+    report). The frozen base model is sharded as usual."""
+    if getattr(model, "peft_config", None) is None:
+        return
+    for param in model.parameters():
+        if param.requires_grad:
+            setattr(param, KEEP_GATHERED, True)
 
 
 def _place_buffers(model: nn.Module, device: torch.device, comm: Communicator, source: ParamSource | None) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -22,6 +22,10 @@ class ParamSource(Protocol):
         """Write elements [start, stop) of the flattened parameter ``name`` into ``out``."""
 
     def has(self, name: str) -> bool: ...
+
+    @property
+    def description(self) -> str:
+        """Where the values come from, for log lines."""
 
 
 def safetensors_files(model_dir: str) -> list[str]:
@@ -103,6 +107,14 @@ class SafetensorsSource:
     def has(self, name: str) -> bool:
         return self.key_for(name) is not None
 
+    @property
+    def description(self) -> str:
+        return self.files[0] if len(self.files) == 1 else f"{len(self.files)} files in {os.path.dirname(self.files[0])}"
+
+    def first_floating_dtype(self) -> torch.dtype | None:
+        """The dtype of the checkpoint's first floating-point tensor (what ``dtype="auto"`` reads)."""
+        return next((dtype for _, dtype, _, _ in self._entries.values() if dtype.is_floating_point), None)
+
     def fill_(self, name: str, shape: tuple[int, ...], start: int, stop: int, out: torch.Tensor) -> None:
         key = self.key_for(name)
         if key is None:
@@ -122,3 +134,62 @@ class SafetensorsSource:
                              f"offset {data_offset + start * element}, got {read}")
         if not same:
             out.copy_(target)
+
+
+class InitSource:
+    """Parameter values made by the model's own initialisation, one module at a time: what
+    ``from_config`` under a live stage-3 config reads from instead of files.
+
+    [Note: sharded initialisation]
+    A plain ``from_config`` builds and initialises every parameter on every rank. Here the model
+    is built on the meta device; when a rank needs a range of a parameter, the module that owns
+    it is copied (a meta copy, no values), given real storage and initialised by ``init_module``
+    (transformers' ``_init_weights``), and the range is taken from the copy. At most one module's
+    own parameters are real at a time, so no rank holds the whole model. Every rank must draw the
+    same values: each module's initialisation runs under a seed made of one base seed (rank 0's,
+    see :meth:`agree_across_ranks`) and the module's index, whatever order ranks read in.
+    """
+
+    def __init__(self, model: torch.nn.Module, init_module: Any, base_seed: int) -> None:
+        self.init_module = init_module
+        self.base_seed = base_seed
+        self._owner: dict[str, tuple[int, str, str]] = {}  # parameter -> (module index, module, attribute)
+        self._modules = dict(model.named_modules())
+        for index, (module_name, module) in enumerate(model.named_modules()):
+            for attribute, _ in module.named_parameters(recurse=False):
+                full = f"{module_name}.{attribute}" if module_name else attribute
+                self._owner.setdefault(full, (index, module_name, attribute))
+        self._cached: tuple[str, dict[str, torch.Tensor]] | None = None
+
+    def has(self, name: str) -> bool:
+        return name in self._owner
+
+    @property
+    def description(self) -> str:
+        return "the model's own initialisation"
+
+    def agree_across_ranks(self, comm: Any, device: torch.device) -> None:
+        """Take rank 0's base seed (ranks may have been seeded differently)."""
+        seed = torch.tensor([self.base_seed], dtype=torch.int64, device=device)
+        comm.broadcast_(seed, src=0, label="init_seed")
+        self.base_seed = int(seed.item())
+
+    def _initialised(self, module_name: str, index: int) -> dict[str, torch.Tensor]:
+        if self._cached is None or self._cached[0] != module_name:
+            self._cached = None  # drop the previous module's values first
+            import copy
+
+            copy_ = copy.deepcopy(self._modules[module_name])
+            for child_name, _ in list(copy_.named_children()):
+                setattr(copy_, child_name, torch.nn.Identity())  # only its own parameters
+            copy_.to_empty(device="cpu")
+            with torch.random.fork_rng(devices=[]), torch.no_grad():
+                torch.manual_seed(self.base_seed + index)
+                self.init_module(module_name, copy_)
+            self._cached = (module_name, dict(copy_.named_parameters(recurse=False)))
+        return self._cached[1]
+
+    def fill_(self, name: str, shape: tuple[int, ...], start: int, stop: int, out: torch.Tensor) -> None:
+        index, module_name, attribute = self._owner[name]
+        value = self._initialised(module_name, index)[attribute]
+        out.copy_(value.detach().reshape(-1)[start:stop])

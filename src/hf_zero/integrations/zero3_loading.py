@@ -7,30 +7,70 @@ builds the model with its *parameters* on the meta device (buffers stay real, so
 buffers such as rotary frequencies are right), and attaches a :class:`SafetensorsSource` naming
 the checkpoint files. Nothing is read yet. ``hf_zero.initialize`` then lays out each unit and
 reads, parameter by parameter, only the element ranges this rank owns (its shard under stage 3)
-from the memory-mapped files. The peak memory of a rank is its shards plus one parameter, and
-every rank reads the same files, so no broadcast is needed.
+from the files. The peak memory of a rank is its shards plus one parameter, and every rank
+reads the same files, so no broadcast is needed.
 
-The model returned is not runnable on its own (its parameters are meta) until it is passed to
-``hf_zero.initialize``, as a DeepSpeed ZeRO-3 model is not runnable outside its engine.
-Only local folders with safetensors weights take this path; anything else (a hub id, extra
-positional arguments, ``device_map``, quantization) falls back to the normal loading, and
-``initialize`` shards the fully built model.
+The model is named the ways users name it: a local folder or a hub id (resolved through
+``huggingface_hub``'s cache with transformers' own ``cached_file``, so ``HF_HUB_OFFLINE``,
+``cache_dir``, ``revision``, ``subfolder`` and ``token`` mean what they mean to a plain load),
+with a single safetensors file or shards and their index. The keywords example scripts and TRL
+pass (``config``, ``dtype``/``torch_dtype``, ``attn_implementation``, ``low_cpu_mem_usage``,
+``trust_remote_code``, ``from_tf=False``, config attributes such as ``use_cache``...) keep this
+path. What it cannot do as a plain load would (``.bin``-only weights, ``device_map``,
+quantization, ``from_tf=True``, a checkpoint lacking some weights...) loads the whole model on
+every rank, with a WARNING on every rank naming the reason; ``initialize`` then shards it.
+
+A model loaded this way and never given to an engine is still a normal model: see
+[Note: materialising on first use] in hf_zero.engine.deferred_load.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import json
 import logging
 import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
+
+import torch
+
+from hf_zero.engine.deferred_load import arm_materialisation
+from hf_zero.engine.param_source import SOURCE_ATTRIBUTE, InitSource, SafetensorsSource
 
 logger = logging.getLogger("hf_zero")
 
 _installed = False
-# from_pretrained keyword arguments the lazy path understands; anything else falls back.
-_HUB_KWARGS = {"cache_dir", "force_download", "local_files_only", "revision", "token", "proxies",
-               "subfolder", "trust_remote_code", "use_safetensors", "low_cpu_mem_usage", "_from_auto",
-               "_commit_hash", "adapter_kwargs"}
-_MODEL_KWARGS = {"config", "dtype", "torch_dtype", "attn_implementation"}
+
+# Where the files are: passed to transformers' cached_file as a plain load passes them.
+_DOWNLOAD_KWARGS = ("cache_dir", "force_download", "local_files_only", "revision", "token", "proxies",
+                    "subfolder")
+# Accepted and without effect on what is loaded (transformers ignores or only records them).
+_NO_EFFECT_KWARGS = {"low_cpu_mem_usage", "trust_remote_code", "_from_auto", "_from_pipeline",
+                     "_commit_hash", "weights_only", "disable_mmap", "mirror", "_fast_init",
+                     "offload_state_dict", "tqdm_class", "adapter_name", "adapter_kwargs", "use_safetensors",
+                     "output_loading_info", "generation_config", "config", "dtype", "torch_dtype",
+                     "attn_implementation", "experts_implementation"}
+# Meaningful only with a truthy / non-None value, which the sharded path cannot honour: the
+# model is then loaded whole, with a warning naming the keyword.
+_FULL_LOAD_KWARGS = ("from_tf", "from_flax", "state_dict", "device_map", "max_memory", "offload_folder",
+                     "offload_buffers", "quantization_config", "load_in_8bit", "load_in_4bit", "gguf_file",
+                     "tp_plan", "tp_size", "distributed_config", "device_mesh", "use_kernels", "kernel_config",
+                     "fusion_config", "key_mapping", "variant", "ignore_mismatched_sizes")
+
+SAFE_INDEX, SAFE_SINGLE = "model.safetensors.index.json", "model.safetensors"
+BIN_INDEX, BIN_SINGLE = "pytorch_model.bin.index.json", "pytorch_model.bin"
+
+
+@dataclass
+class LazyPlan:
+    """What a sharded load needs: the weight files and the config / model keywords."""
+
+    files: list[str]
+    download_kwargs: dict[str, Any]
+    model_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 def install() -> None:
@@ -44,57 +84,210 @@ def install() -> None:
     original = PreTrainedModel.from_pretrained.__func__
 
     def from_pretrained(cls: Any, pretrained_model_name_or_path: Any, *model_args: Any, **kwargs: Any) -> Any:
-        if _takes_lazy_path(pretrained_model_name_or_path, model_args, kwargs):
-            return lazy_from_pretrained(cls, str(pretrained_model_name_or_path), **kwargs)
-        return original(cls, pretrained_model_name_or_path, *model_args, **kwargs)
+        from hf_zero.config.live import live_zero3_config
+
+        if live_zero3_config() is None or pretrained_model_name_or_path is None:
+            return original(cls, pretrained_model_name_or_path, *model_args, **kwargs)
+        plan = plan_lazy_load(str(pretrained_model_name_or_path), model_args, kwargs)
+        if isinstance(plan, str):
+            logger.warning("hf_zero: from_pretrained(%r) loads the whole model on this rank, not "
+                           "sharded: %s", str(pretrained_model_name_or_path), plan)
+            return original(cls, pretrained_model_name_or_path, *model_args, **kwargs)
+        model = lazy_from_pretrained(cls, str(pretrained_model_name_or_path), plan, **kwargs)
+        if isinstance(model, str):
+            logger.warning("hf_zero: from_pretrained(%r) loads the whole model on this rank, not "
+                           "sharded: %s", str(pretrained_model_name_or_path), model)
+            return original(cls, pretrained_model_name_or_path, *model_args, **kwargs)
+        return model
 
     from_pretrained.__doc__ = original.__doc__
     PreTrainedModel.from_pretrained = classmethod(from_pretrained)
+    original_from_config = PreTrainedModel._from_config.__func__
+
+    def _from_config(cls: Any, config: Any, **kwargs: Any) -> Any:
+        from hf_zero.config.live import live_zero3_config
+
+        if live_zero3_config() is None:
+            return original_from_config(cls, config, **kwargs)
+        return lazy_from_config(cls, config, **kwargs)
+
+    _from_config.__doc__ = original_from_config.__doc__
+    PreTrainedModel._from_config = classmethod(_from_config)
     _installed = True
 
 
-def _takes_lazy_path(path: Any, model_args: tuple, kwargs: dict[str, Any]) -> bool:
-    from hf_zero.config.live import live_zero3_config
+def plan_lazy_load(path: str, model_args: tuple, kwargs: dict[str, Any]) -> LazyPlan | str:
+    """The sharded load of ``path``, or the reason it must be a full load."""
+    if model_args:
+        return f"{len(model_args)} positional model argument(s) after the path (pass them by keyword)"
+    refused = [k for k in _FULL_LOAD_KWARGS if kwargs.get(k)]
+    if (kwargs.get("adapter_kwargs") or {}).get("_adapter_model_path"):
+        refused.append("adapter_kwargs")  # a PEFT adapter folder: transformers loads its base, then it
+    if refused:
+        return f"{', '.join(f'{k}={kwargs[k]!r}' for k in refused)} (the sharded path reads safetensors " \
+               "weights as saved, onto no device map and without quantization)"
+    if kwargs.get("use_safetensors") is False:
+        return "use_safetensors=False (the sharded path reads safetensors only)"
+    download = {k: kwargs[k] for k in _DOWNLOAD_KWARGS if kwargs.get(k) is not None}
+    files = _safetensors_files(path, download)
+    if isinstance(files, str):
+        return files
+    rest = {k: v for k, v in kwargs.items()
+            if k not in _DOWNLOAD_KWARGS and k not in _NO_EFFECT_KWARGS and k not in _FULL_LOAD_KWARGS}
+    return LazyPlan(files, download, rest)
 
-    if live_zero3_config() is None or model_args or not os.path.isdir(str(path)):
-        return False
-    if set(kwargs) - _HUB_KWARGS - _MODEL_KWARGS:
-        logger.info("hf_zero: from_pretrained(%s) with %s loads normally (not sharded)",
-                    path, sorted(set(kwargs) - _HUB_KWARGS - _MODEL_KWARGS))
-        return False
-    subfolder = kwargs.get("subfolder") or ""
-    folder = os.path.join(str(path), subfolder)
-    return any(os.path.exists(os.path.join(folder, f))
-               for f in ("model.safetensors", "model.safetensors.index.json"))
+
+def _cached(path: str, filename: str, download: dict[str, Any]) -> str | None:
+    from transformers.utils import cached_file
+
+    return cached_file(path, filename, _raise_exceptions_for_missing_entries=False,
+                       _raise_exceptions_for_connection_errors=False, **download)
 
 
-def lazy_from_pretrained(cls: Any, path: str, **kwargs: Any) -> Any:
-    """The model with meta parameters and a weight source; see [Note: lazy sharded loading]."""
+def _safetensors_files(path: str, download: dict[str, Any]) -> list[str] | str:
+    """The checkpoint's safetensors files (local folder or the hub cache), or why there are none."""
+    try:
+        index = _cached(path, SAFE_INDEX, download)
+        if index is not None:
+            with open(index, encoding="utf-8") as f:
+                names = sorted(set(json.load(f)["weight_map"].values()))
+            files = [_cached(path, name, download) for name in names]
+            absent = [n for n, f in zip(names, files) if f is None]
+            if absent:
+                return f"{SAFE_INDEX} names {absent} but they are not available"
+            return [f for f in files if f is not None]
+        single = _cached(path, SAFE_SINGLE, download)
+        if single is not None:
+            return [single]
+        if _cached(path, BIN_INDEX, download) or _cached(path, BIN_SINGLE, download):
+            return ("the checkpoint has only PyTorch .bin weights; the sharded path reads safetensors "
+                    "(re-save it once with save_pretrained(..., safe_serialization=True))")
+    except (OSError, ValueError) as error:  # not found, no access: the full load says why
+        return f"its files could not be resolved ({error})"
+    return "no model.safetensors or model.safetensors.index.json was found"
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    if dtype.is_floating_point:
+        torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _resolve_dtype(requested: Any, config: Any, source: SafetensorsSource) -> torch.dtype:
+    """The parameters' dtype as a plain load picks it: a dtype or its name as given; "auto" is
+    the config's ``dtype`` or else the checkpoint's first floating-point tensor's. Nothing given
+    means "auto" from transformers 5 on, the default dtype before."""
+    import transformers
+
+    if requested is None:
+        requested = "auto" if int(transformers.__version__.split(".")[0]) >= 5 else torch.get_default_dtype()
+    if isinstance(requested, str) and requested != "auto":
+        requested = getattr(torch, requested)
+    if isinstance(requested, torch.dtype):
+        return requested
+    configured = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(configured, str):
+        configured = getattr(torch, configured)
+    return configured or source.first_floating_dtype() or torch.get_default_dtype()
+
+
+def _load_config(cls: Any, path: str, plan: LazyPlan, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """(config, model keywords) as a plain load makes them: config attributes among the keywords
+    update the config; the others go to the model's constructor."""
+    from transformers import PretrainedConfig
+
+    config = kwargs.get("config")
+    if isinstance(config, PretrainedConfig):
+        return copy.deepcopy(config), dict(plan.model_kwargs)
+    config, model_kwargs = cls.config_class.from_pretrained(
+        path if config is None else config, return_unused_kwargs=True, **plan.download_kwargs,
+        **plan.model_kwargs)
+    return config, model_kwargs
+
+
+def lazy_from_pretrained(cls: Any, path: str, plan: LazyPlan, **kwargs: Any) -> Any:
+    """The model with meta parameters and a weight source (see [Note: lazy sharded loading]),
+    or why it must be loaded whole."""
     from accelerate import init_empty_weights
 
-    from hf_zero.engine.param_source import SOURCE_ATTRIBUTE, SafetensorsSource, safetensors_files
-
-    folder = os.path.join(path, kwargs.get("subfolder") or "")
-    config = kwargs.get("config")
-    if config is None or isinstance(config, (str, os.PathLike)):
-        config = cls.config_class.from_pretrained(folder if config is None else config)
-    if kwargs.get("attn_implementation"):
-        config._attn_implementation = kwargs["attn_implementation"]
-    with init_empty_weights(include_buffers=False):
-        model = cls(config)
+    config, model_kwargs = _load_config(cls, path, plan, kwargs)
+    for name in ("attn_implementation", "experts_implementation"):
+        if kwargs.get(name):
+            setattr(config, f"_{name}", kwargs[name])
+    source = SafetensorsSource(plan.files, getattr(cls, "base_model_prefix", ""))
+    dtype = _resolve_dtype(kwargs.get("dtype", kwargs.get("torch_dtype")), config, source)
+    config.dtype = dtype
+    with init_empty_weights(include_buffers=False), _default_dtype(dtype):
+        model = cls(config, **model_kwargs)
     model.tie_weights()  # from_pretrained ties after loading; the meta model must share them too
-    setattr(model, SOURCE_ATTRIBUTE,
-            SafetensorsSource(safetensors_files(folder), getattr(cls, "base_model_prefix", "")))
-    _load_generation_config(model, folder)
+    missing = [name for name, p in model.named_parameters() if p.is_meta and not source.has(name)]
+    if missing:
+        # A head on a base checkpoint: a full load initialises the new weights.
+        return f"the checkpoint lacks {len(missing)} weight(s) of the model ({missing[:4]}), which a full load initialises"
+    setattr(model, SOURCE_ATTRIBUTE, source)
+    _load_generation_config(model, path, plan, kwargs.get("generation_config"))
     model.eval()
+    arm_materialisation(model)
     logger.info("hf_zero: %s from %s on the meta device; hf_zero.initialize reads each rank's shards",
-                cls.__name__, folder)
+                cls.__name__, os.path.dirname(plan.files[0]))
+    if kwargs.get("output_loading_info"):
+        return model, {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "error_msgs": []}
     return model
 
 
-def _load_generation_config(model: Any, folder: str) -> None:
-    if not os.path.exists(os.path.join(folder, "generation_config.json")):
+def lazy_from_config(cls: Any, config: Any, **kwargs: Any) -> Any:
+    """``from_config`` on the meta device, initialised unit by unit by ``initialize`` (see
+    [Note: sharded initialisation] in hf_zero.engine.param_source)."""
+    from accelerate import init_empty_weights
+
+    config = copy.deepcopy(config)
+    dtype = kwargs.pop("dtype", None) or kwargs.pop("torch_dtype", None) or getattr(config, "dtype", None)
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else (dtype or torch.get_default_dtype())
+    config.dtype = dtype
+    for name in ("attn_implementation", "experts_implementation"):
+        if name in kwargs:
+            setattr(config, f"_{name}", kwargs.pop(name))
+    with init_empty_weights(include_buffers=False), _default_dtype(dtype):
+        model = cls(config, **kwargs)
+    model.tie_weights()
+    base_seed = int(torch.randint(0, 2**62, (1,)).item())  # replaced by rank 0's in initialize
+    setattr(model, SOURCE_ATTRIBUTE, InitSource(model, _transformers_init(model), base_seed))
+    arm_materialisation(model)
+    logger.info("hf_zero: %s from a config on the meta device; hf_zero.initialize initialises each "
+                "rank's shards one module at a time", cls.__name__)
+    return model
+
+
+def _transformers_init(model: Any) -> Any:
+    """``init_module(name, module)``: the ``_init_weights`` of the nearest PreTrainedModel above
+    ``name`` (composite models initialise their parts their own way)."""
+    from transformers import PreTrainedModel
+
+    def init_module(name: str, module: torch.nn.Module) -> None:
+        owner = model
+        parts = name.split(".") if name else []
+        for i in range(len(parts)):
+            candidate = model.get_submodule(".".join(parts[: i + 1]))
+            if isinstance(candidate, PreTrainedModel):
+                owner = candidate
+        owner._init_weights(module)
+
+    return init_module
+
+
+def _load_generation_config(model: Any, path: str, plan: LazyPlan, given: Any) -> None:
+    if given is not None:
+        model.generation_config = given
+        return
+    if not getattr(model, "can_generate", lambda: False)():
+        return
+    if _cached(path, "generation_config.json", plan.download_kwargs) is None:
         return
     from transformers import GenerationConfig
 
-    model.generation_config = GenerationConfig.from_pretrained(folder)
+    model.generation_config = GenerationConfig.from_pretrained(path, **plan.download_kwargs)
