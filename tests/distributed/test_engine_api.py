@@ -14,7 +14,8 @@ from tests.distributed.launch import run_distributed
 def _modify_under_gathered_parameters() -> dict[str, Any]:
     import hf_zero
 
-    sc = S.scenario("gpt2", 3)
+    # bf16: the fp32 master is a separate copy, so the change must be written into it too
+    sc = S.scenario("gpt2", 3, dtype="bf16")
     engine, _, _, _ = hf_zero.initialize(model=S.build_model(sc), config=S.make_config(sc))
     wte = engine.module.transformer.wte.weight
     with engine.gathered_parameters(wte, modifier_rank=0):
