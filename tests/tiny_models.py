@@ -62,3 +62,16 @@ def freeze_some(model: nn.Module) -> None:
     for name, param in model.named_parameters():
         if "wpe" in name or name.endswith("ln_1.weight") or "input_layernorm" in name:
             param.requires_grad_(False)
+
+
+# The learnable data: a sparse Markov chain over the first ACTIVE_VOCAB tokens (each token has 4
+# possible successors; hf_zero.demo's data), so a few optimizer steps move the loss far from
+# ln(VOCAB) toward ln(ACTIVE_VOCAB) and below, a signal much larger than any parity tolerance.
+ACTIVE_VOCAB = 16
+
+
+def learnable_batch(step: int, rows: int, seed: int = 1234) -> torch.Tensor:
+    """The global batch of a step, learnable: ``rows`` Markov sequences, the same on every rank."""
+    from hf_zero.demo import markov_batch, markov_successors
+
+    return markov_batch(markov_successors(ACTIVE_VOCAB, seed), rows, SEQ, seed * 1000 + step)

@@ -31,7 +31,7 @@ def _trace_names(engine: Any, step: int, path: str) -> list[str]:
     """The hf_zero:: labels in a chrome trace of one optimizer step (2 micro-steps)."""
     from torch.profiler import ProfilerActivity, profile
 
-    batch = S.batch_for_step(step, 8)
+    batch = S.learnable_batch(step, 8)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for k in range(2):
             ids = batch[(k * 2 + engine.rank) * 2:(k * 2 + engine.rank + 1) * 2]
@@ -54,7 +54,7 @@ def _observe(stage: int, overlap: bool) -> dict[str, Any]:
     config = dict(S.make_config(sc), wall_clock_breakdown=True, steps_per_print=2)
     engine, _, _, _ = hf_zero.initialize(model=S.build_model(sc), config=config)
     for step in range(3):
-        batch = S.batch_for_step(step, 8)
+        batch = S.learnable_batch(step, 8)
         for k in range(2):
             ids = batch[(k * 2 + engine.rank) * 2:(k * 2 + engine.rank + 1) * 2]
             engine.backward(engine(input_ids=ids, labels=ids).loss)

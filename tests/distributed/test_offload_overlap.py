@@ -48,7 +48,7 @@ def _second_boundary_backward_without_step() -> str:
     sc = CASES["cpu_s2"]
     model = S.build_model(sc)
     engine, _, _, _ = hf_zero.initialize(model=model, config=S.make_config(sc))
-    batch = S.batch_for_step(0, 2)
+    batch = S.learnable_batch(0, 2)
     engine.backward(S.model_loss(engine, sc["model"], batch))
     try:
         engine.backward(S.model_loss(engine, sc["model"], batch))

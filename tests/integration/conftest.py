@@ -127,6 +127,9 @@ def _plan(model_dirs: dict[str, str], root: Path) -> dict[str, Any]:
                                                   "warmup_num_steps": "auto", "warmup_type": "linear"}})
     jobs.append({"name": "gpt2-z2-config-optimizer", "kind": "script", "zero_config": sections,
                  "argv": script_args("gpt2", model_dirs["gpt2"], out("gpt2-z2-config-optimizer"))})
+    # DDP at learning rate 0: the untrained model's loss on each step's batch
+    jobs.append({"name": "gpt2-ddp-lr0", "kind": "script",
+                 "argv": script_args("gpt2", model_dirs["gpt2"], out("gpt2-ddp-lr0"), "--learning_rate", "0.0")})
     bf16 = write_config(root / "zero3-bf16.json", 3, zero_optimization={"stage3_gather_16bit_weights_on_model_save": True})
     jobs.append({"name": "gpt2-z3-bf16", "kind": "script", "zero_config": bf16,
                  "argv": script_args("gpt2", model_dirs["gpt2"], out("gpt2-z3-bf16"), "--bf16")})
@@ -153,4 +156,19 @@ def trainer_runs(model_dirs: dict[str, str], tmp_path_factory: pytest.TempPathFa
     plan_path = root / "plan.json"
     plan_path.write_text(json.dumps(plan))
     run_launch(torchrun("-m", "hf_zero.run", "-m", "tests.integration.trainer_driver", str(plan_path)))
-    return json.loads(Path(plan["out"]).read_text())
+    return merge_rank_results(plan["out"], world_size=2)
+
+
+def merge_rank_results(out: str, world_size: int) -> dict[str, Any]:
+    """Rank 0's results, with any job that raised on some rank replaced by that rank's error
+    (``{"error": traceback, "rank": rank}``)."""
+    from tests.integration.trainer_driver import rank_results_path
+
+    per_rank = [json.loads(Path(rank_results_path(out, rank)).read_text()) for rank in range(world_size)]
+    merged = dict(per_rank[0])
+    for rank, results in enumerate(per_rank):
+        assert results.keys() == merged.keys(), f"rank {rank} ran other jobs: {sorted(results)}"
+        for name, result in results.items():
+            if "error" in result and "rank" not in merged[name]:  # the lowest failing rank's error
+                merged[name] = {"error": result["error"], "rank": rank}
+    return merged

@@ -6,9 +6,13 @@ example (recipes/examples/train_engine.py) at ZeRO stage 3."""
 from __future__ import annotations
 
 import json
+import runpy
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+import torch
 
 from tests.distributed.launch import free_port
 from tests.integration.conftest import LAUNCH_TIMEOUT_S, REPO, subprocess_env
@@ -43,3 +47,32 @@ def test_two_node_launch_on_loopback_completes_a_zero3_run(model_dirs: dict[str,
     assert all(n["world_size"] == 2 and n["global_steps"] == 6 for n in nodes)
     assert nodes[0]["losses"] == nodes[1]["losses"]  # all-reduced: the same on both nodes
     assert any("done: 6 steps, world size 2" in out for out in outputs)
+    reference = _single_process_losses(model_dirs["gpt2"], world_size=2, train=True)
+    assert nodes[0]["losses"] == pytest.approx(reference, abs=1e-5)
+    # the recipe's random tokens teach little, but training moves the losses 100x the tolerance
+    untrained = _single_process_losses(model_dirs["gpt2"], world_size=2, train=False)
+    assert max(abs(a - b) for a, b in zip(reference, untrained, strict=True)) > 1e-3
+
+
+def _single_process_losses(model_dir: str, world_size: int, train: bool) -> list[float]:
+    """The recipe's run in one process: each micro-step's whole global batch (the rows every rank
+    takes a slice of), loss / accumulation steps, clip, torch AdamW (no step when not ``train``);
+    the mean loss per micro-step."""
+    from transformers import AutoModelForCausalLM
+
+    recipe = runpy.run_path(str(REPO / "recipes" / "examples" / "train_engine.py"))
+    args = recipe["parse_args"](["--model_name_or_path", model_dir, "--zero_config", "unused"])
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.1)
+    losses = []
+    for micro_step in range(args.max_steps * args.gradient_accumulation_steps):
+        ids = torch.cat([recipe["micro_batch"](micro_step, rank, world_size, args, model.config.vocab_size)
+                         for rank in range(world_size)])
+        loss = model(input_ids=ids, labels=ids).loss
+        (loss / args.gradient_accumulation_steps).backward()
+        losses.append(loss.item())
+        if train and (micro_step + 1) % args.gradient_accumulation_steps == 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad()
+    return losses

@@ -1,8 +1,7 @@
 """Runs on every rank of a real 2-process torchrun launch: several Trainer jobs in one process.
 
 Launching is the slow part (importing transformers takes seconds), so one launch runs a list of
-jobs (a JSON plan) one after the other and rank 0 writes every job's result to the plan's
-``out`` file. Jobs:
+jobs (a JSON plan) one after the other and every rank writes every job's result. Jobs:
 
 - ``script``: the example script recipes/examples/run_trainer.py, unmodified, through
   ``hf_zero.run`` (so ``--zero_config`` and ``enable()`` work exactly as on the command line), or
@@ -16,6 +15,7 @@ jobs (a JSON plan) one after the other and rank 0 writes every job's result to t
 
 Run through the runner, as users run a script:
 ``torchrun --standalone --nproc_per_node 2 -m hf_zero.run -m tests.integration.trainer_driver PLAN.json``
+Each rank writes its results next to the plan's ``out`` (see :func:`rank_results_path`).
 (the DDP baseline jobs first undo the runner's patches, so they run transformers unmodified).
 """
 
@@ -237,12 +237,16 @@ def main(plan_path: str) -> None:
     for job in plan["jobs"]:
         try:
             results[job["name"]] = JOBS[job["kind"]](copy.deepcopy(job))
-        except Exception:  # both ranks fail alike in practice; record it and go on to the next job
+        except Exception:  # record it and go on to the next job
             results[job["name"]] = {"error": traceback.format_exc()[-6000:]}
             os.environ.pop(CONFIG_ENV, None)
-    if _rank() == 0:
-        with open(plan["out"], "w") as f:
-            json.dump(results, f, indent=1)
+    # Every rank writes its own results: a job that fails on one rank only must fail its test.
+    with open(rank_results_path(plan["out"], _rank()), "w") as f:
+        json.dump(results, f, indent=1)
+
+
+def rank_results_path(out: str, rank: int) -> str:
+    return out if rank == 0 else f"{out}.rank{rank}"
 
 
 if __name__ == "__main__":
