@@ -17,15 +17,18 @@ weights are stored once; a parameter reachable from two different units moves to
 whose full parameters are live for the whole forward and backward.
 
 [Note: edge units]
-Outside the blocks, a causal LM holds its largest tensors: the input embedding and the untied
-output projection are each vocab x hidden (at Llama-3 shapes 525M elements, at 70B over a
-billion each). Left in the root they would be gathered for the whole forward and backward, and
-their size alone would exhaust ``stage3_max_live_parameters``, refusing every prefetch and every
-reuse. So the modules Transformers names through ``get_input_embeddings()`` and
-``get_output_embeddings()`` become units of their own, placed first and last in the unit order,
-which is where they run. A tied pair is one tensor reachable from both modules: it stays in the
-root (stored once), so for tied models only the untied parts move. Embeddings inside a block, or
-a model that is one unit, are left as they are.
+Outside the blocks, a causal LM holds its largest tensors: the input embedding and the output
+projection are each vocab x hidden (at Llama-3 shapes 525M elements). Left in the root, the
+embedding would be gathered for the whole forward and backward although only the first
+module uses it, and with the output projection it would exhaust ``stage3_max_live_parameters``
+(refusing every prefetch and every reuse). So the module Transformers names through
+``get_input_embeddings()`` becomes a unit of its own, first in the unit order, which is where it
+runs. The output projection stays in the root on purpose: code inside the model's forward reads
+``lm_head.weight`` directly without calling the module (TRL's fused LM head, Liger's fused
+linear cross-entropy, custom losses), and only the root is gathered for the whole forward and
+backward, so only there does such a read see real values in both. A tied pair is one tensor
+reachable from both modules: it stays in the root (stored once). Embeddings inside a block, or a
+model that is one unit, are left as they are.
 """
 
 from __future__ import annotations
@@ -204,14 +207,15 @@ def _edge_module(model: nn.Module, getter: str, inside: list[tuple[str, nn.Modul
 
 
 def _with_edge_units(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
-    """``blocks`` with the input embedding first and the output projection last."""
+    """``blocks`` with the input embedding first: see [Note: edge units]."""
     if not blocks:
         return blocks
     first = _edge_module(model, "get_input_embeddings", blocks)
-    last = _edge_module(model, "get_output_embeddings", blocks)
-    if first is not None and last is not None and first[1] is last[1]:
-        last = None
-    return ([first] if first else []) + blocks + ([last] if last else [])
+    if first is None:
+        return blocks
+    output = getattr(model, "get_output_embeddings", lambda: None)()
+    tied = output is not None and any(p is q for p in first[1].parameters() for q in output.parameters())
+    return blocks if tied else [first] + blocks
 
 
 def plan_units(model: nn.Module, wrap_modules: Sequence[str] | None = None) -> UnitPlan:

@@ -176,11 +176,14 @@ def test_nvme_param_offload_puts_the_shards_in_files(runs, name):
 
 
 # The units ratio 0.5 offloads, by hand from [Note: partial optimizer offload] (a unit goes to the
-# host when offloaded + numel / 2 <= 0.5 x total, in model order: blocks, then the root).
-# GPT-2: blocks 2895, 2895, root 1965, target 3877.5: block 0 (1447.5), not block 1 (4342.5), the
-# root (3877.5, exactly the target). Llama: blocks 2576, 2576, root 3120, target 4136: block 0
-# (1288), block 1 (3864), not the root (6712).
-HOSTED_AT_HALF = {"gpt2": {"transformer.h.0", "<root>"}, "llama": {"model.layers.0", "model.layers.1"}}
+# host when offloaded + numel / 2 <= 0.5 x total, in model order: the input embedding, the blocks,
+# then the root; [Note: edge units]).
+# GPT-2 (tied, so no edge unit): blocks 2895, 2895, root 1965, target 3877.5: block 0 (1447.5),
+# not block 1 (4342.5), the root (3877.5, exactly the target). Llama (untied): embed_tokens 1552,
+# blocks 2576, 2576, root (lm_head and the final norm) 1568, target 4136: embed_tokens (776),
+# block 0 (2840), not block 1 (5416), not the root (4912).
+HOSTED_AT_HALF = {"gpt2": {"transformer.h.0", "<root>"},
+                  "llama": {"model.embed_tokens", "model.layers.0"}}
 
 
 @pytest.mark.parametrize("name", ["ratio_half_s3", "ratio_half_s2"])

@@ -77,6 +77,7 @@ def trl_runs(model_dirs: dict[str, str], tmp_path_factory: pytest.TempPathFactor
             job("lora-ddp", SFT, sft_data, None, "--lora_r", "4"),
             job("sft-z3", SFT, sft_data, 3), job("sft-z2", SFT, sft_data, 2),
             job("dpo-z3", DPO, dpo_data, 3, *memory("dpo-z3")), job("lora-z2", SFT, sft_data, 2, "--lora_r", "4"),
+            job("lora-z3", SFT, sft_data, 3, "--lora_r", "4"),
             job("grpo-ddp", GRPO, grpo_data, None), job("grpo-z3", GRPO, grpo_data, 3),
             job("dpo-z2", DPO, dpo_data, 2), job("grpo-z2", GRPO, grpo_data, 2)]
     plan = {"jobs": jobs, "out": str(root / "results.json")}
@@ -121,16 +122,24 @@ def test_dpo_reference_model_is_a_sharded_inference_engine(trl_runs: dict[str, A
         assert rank["policy"]["engine"] and rank["policy"]["optimizer_state"] > 0
 
 
-def test_lora_adapter_saved_under_zero_loads_and_equals_ddp(trl_runs: dict[str, Any], model_dirs: dict[str, str]) -> None:
+@pytest.mark.parametrize("name", ["lora-z2", "lora-z3"])
+def test_lora_adapter_saved_under_zero_loads_and_equals_ddp(trl_runs: dict[str, Any], model_dirs: dict[str, str],
+                                                            name: str) -> None:
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    zero_dir, ddp_dir = Path(_ok(trl_runs, "lora-z2")["output_dir"]), Path(_ok(trl_runs, "lora-ddp")["output_dir"])
+    zero_dir, ddp_dir = Path(_ok(trl_runs, name)["output_dir"]), Path(_ok(trl_runs, "lora-ddp")["output_dir"])
     zero, ddp = load_file(zero_dir / "adapter_model.safetensors"), load_file(ddp_dir / "adapter_model.safetensors")
     assert set(zero) == set(ddp) and any("lora_B" in k for k in zero)
-    for name, tensor in ddp.items():
-        torch.testing.assert_close(zero[name], tensor, rtol=1e-4, atol=1e-6, msg=name)
+    assert all(zero[k].shape == t.shape and zero[k].numel() > 0 for k, t in ddp.items())  # not empty tensors
+    if name == "lora-z2":
+        for key, tensor in ddp.items():
+            torch.testing.assert_close(zero[key], tensor, rtol=1e-4, atol=1e-6, msg=key)
+    # Under stage 3 the base loads sharded, so PEFT creates the adapters on the meta device and
+    # initialize draws lora_A from rank 0's generator then, not at get_peft_model: the same
+    # distribution as DDP's, other values, so the curve is not DDP's (the step-1 loss is, as lora_B
+    # starts at zero).
     assert max(t.abs().max().item() for k, t in zero.items() if "lora_B" in k) > 1e-3  # the adapter trained
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dirs["llama"]), zero_dir)
     ids = torch.arange(4, 14).unsqueeze(0)

@@ -34,6 +34,7 @@ logger = logging.getLogger("hf_zero")
 MATERIALISING_METHODS = ("forward", "generate", "state_dict", "save_pretrained", "to", "cuda", "cpu",
                          "half", "float", "bfloat16", "double")
 _ARMED = "_hf_zero_materialise_on_use"  # the wrapped method names, in the instance __dict__
+_WRAPPER = "_hf_zero_materialising_wrapper"  # set on each wrapper, so disarming removes only ours
 
 
 def arm_materialisation(model: nn.Module) -> None:
@@ -48,10 +49,13 @@ def arm_materialisation(model: nn.Module) -> None:
 
 
 def disarm_materialisation(model: nn.Module) -> None:
-    """Remove the wrappers (an engine takes the model; its shards come from the files)."""
+    """Remove the wrappers (an engine takes the model; its shards come from the files). A method
+    that code patched over a wrapper since (TRL's fused LM head replaces ``forward``) is that
+    code's and stays; a wrapper it captured finds no source left and just calls the method."""
     for module in model.modules():
         for name in module.__dict__.pop(_ARMED, []):
-            module.__dict__.pop(name, None)
+            if getattr(module.__dict__.get(name), _WRAPPER, False):
+                module.__dict__.pop(name)
 
 
 def is_armed(model: nn.Module) -> bool:
@@ -65,6 +69,7 @@ def _materialising(model: nn.Module, method: Callable) -> Callable:
         materialise(model, reason=method.__name__)
         return method(*args, **kwargs)
 
+    setattr(call, _WRAPPER, True)
     return call
 
 
@@ -81,6 +86,7 @@ def _resizing(model: nn.Module, method: Callable) -> Callable:
                 _read_whole(source, names[id(param)], param)
         return method(*args, **kwargs)
 
+    setattr(call, _WRAPPER, True)
     return call
 
 
@@ -165,7 +171,10 @@ def initialise_new_adapters(model: nn.Module) -> list[str]:
             if not any(p.is_meta for part in parts for p in part.parameters()):
                 continue
             for part in parts:
-                part.to_empty(device="cpu")
+                for param in part.parameters():
+                    if param.is_meta:  # in place: an optimizer the Trainer built on it keeps it
+                        real = nn.Parameter(torch.empty_like(param, device="cpu"), requires_grad=param.requires_grad)
+                        torch.utils.swap_tensors(param, real)
             module.reset_lora_parameters(adapter, init_choice.get(adapter, True))
             made.append(f"{module_name}.lora_*.{adapter}")
     return made

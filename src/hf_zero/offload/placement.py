@@ -5,8 +5,7 @@ DeepSpeed's Twin-Flow (``offload_optimizer: {"device": "cpu", "ratio": r}``) off
 fraction r of the optimizer state and steps the rest on the compute device. hf_zero decides by
 whole units (all trainable flat groups of a unit move together) and by element count: the units
 are walked in model order (the order of ``partition.plan_units``: the input embedding, the repeated
-blocks, the output projection, then the
-root unit), and a unit is offloaded when that brings the offloaded element count closer to
+blocks, then the root unit), and a unit is offloaded when that brings the offloaded element count closer to
 r x (all trainable elements), i.e. when ``offloaded + numel / 2 <= r x total``. The rule is a
 pure function of the model, so every rank chooses the same units; because a rank's shard of a
 group is 1/N of it, each rank offloads the same fraction of its own state. Offloaded units
