@@ -313,7 +313,7 @@ _SPECS: list[KeySpec] = [
     KeySpec("gradient_allreduce_op", Choice(("mean", "sum"), case_insensitive=True), "mean", "Average (mean) or sum gradients across ranks.", NOT_IMPLEMENTED, "summed rather than averaged gradients", off=lambda v: str(v).lower() == "mean", when_on='"sum"'),
     KeySpec("managed_gradient_accumulation", Bool(), True, "DeepSpeed tracks micro-steps; false lets the client own the boundary.", NOT_IMPLEMENTED, "client-owned accumulation boundaries", when_on="false"),
     KeySpec("sparse_gradients", Bool(), False, "CSR sparse gradients for embeddings.", NOT_IMPLEMENTED, "sparse gradient reduction", when_on="true"),
-    KeySpec("zero_allow_untested_optimizer", Bool(), False, "Allow an optimizer hf_zero did not create (set by the Trainer when it builds the optimizer).", NO_EFFECT, "hf_zero steps any torch optimizer over flat fp32 shards, so no optimizer is untested"),
+    KeySpec("zero_allow_untested_optimizer", Bool(), False, "Let a passed torch optimizer that is neither a known element-wise class nor declared one step over flat shards, with a warning (set by the Trainer when it builds the optimizer); known shape-aware optimizers (Adafactor, Muon, LAMB...) are refused regardless: see docs/optimizers.md."),
     KeySpec("zero_force_ds_cpu_optimizer", Bool(), True, "Require DeepSpeed's CPU Adam when offloading.", NO_EFFECT, "hf_zero has no DeepSpeed CPU optimizer to force"),
     KeySpec("dataloader_drop_last", Bool(), False, "Drop the last incomplete batch in the data loader hf_zero.initialize builds from training_data."),
     KeySpec("vocabulary_size", Int(), None, "Only used by DeepSpeed to warn when not a multiple of 8.", NO_EFFECT, "DeepSpeed only prints a warning from it", nullable=True),

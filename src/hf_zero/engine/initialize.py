@@ -15,6 +15,7 @@ from hf_zero.config import HfZeroConfig
 from hf_zero.engine.engine import ZeroEngine
 from hf_zero.engine.loss_scaler import build_loss_scaler
 from hf_zero.engine.optimizer import ZeroAdam, ZeroOptimizer
+from hf_zero.engine.optimizer_kinds import check_flat_shard_optimizer
 from hf_zero.engine.param_source import SOURCE_ATTRIBUTE, ParamSource
 from hf_zero.engine.overlap_step import OverlappedOffloadStep, can_overlap
 from hf_zero.engine.schedulers import build_scheduler
@@ -99,7 +100,9 @@ def _build_inner_optimizer(
     if isinstance(optimizer, torch.optim.Optimizer):
         return _rebuild_torch_optimizer(optimizer, shard_groups)
     if callable(optimizer):
-        return optimizer(shard_groups)
+        built = optimizer(shard_groups)
+        check_flat_shard_optimizer(type(built), config.zero_allow_untested_optimizer, config.stage)
+        return built
     if config.optimizer is None:
         return None
     opt = config.optimizer
@@ -174,6 +177,8 @@ def initialize(
 
     source = _lazy_source(model)
     _place_buffers(model, device, comm, source)
+    if isinstance(optimizer, torch.optim.Optimizer):  # before any sharding: see [Note: element-wise optimizers]
+        check_flat_shard_optimizer(type(optimizer), resolved.zero_allow_untested_optimizer, resolved.stage)
     param_group_of, hyper = _param_group_index(model, optimizer, model_parameters)
     plan = plan_units(model, resolved.zero.wrap_modules)
     threshold = int(resolved.zero.stage3_param_persistence_threshold) if resolved.stage == 3 else 0

@@ -32,6 +32,8 @@ class ZeroAdam(torch.optim.Optimizer):
     its ``adam_w_mode``); False is Adam with L2 regularisation added to the gradient.
     """
 
+    hf_zero_elementwise = True  # see [Note: element-wise optimizers] in hf_zero.engine.optimizer_kinds
+
     def __init__(
         self,
         params: Iterable[Any],
