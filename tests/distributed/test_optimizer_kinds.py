@@ -74,6 +74,18 @@ def test_transformers_adafactor_is_refused(no_launcher_env):
         _initialize(lambda params, lr: Adafactor(params, lr=lr, relative_step=False, scale_parameter=False))
 
 
+class AdamW(SignSGD):
+    """Named like torch's, from another package: bitsandbytes' 8-bit AdamW is spelt this way."""
+
+
+AdamW.__module__ = "bitsandbytes.optim.adamw"
+
+
+def test_bitsandbytes_class_named_like_torch_is_refused_even_when_untested_ones_are_allowed(no_launcher_env):
+    with pytest.raises(ValueError, match=r"bitsandbytes\.optim\.adamw\.AdamW is a shape-aware"):
+        _initialize(AdamW, allow_untested=True)
+
+
 def test_unknown_optimizer_needs_zero_allow_untested_optimizer(no_launcher_env):
     with pytest.raises(ValueError, match=r"SignSGD is not a known element-wise optimizer.*zero_allow_untested_optimizer"):
         _initialize(SignSGD)

@@ -15,9 +15,11 @@ Accelerator preparation) and lets through:
   ``hf_zero_elementwise = True`` (or through :func:`declare_elementwise`);
 - any other class not known to be shape-aware when the config sets
   ``zero_allow_untested_optimizer: true``, as DeepSpeed lets a client optimizer through ZeRO
-  with that key (the Trainer sets it when it builds the optimizer); a warning names the class.
+  with that key (transformers sets it when its Trainer builds the optimizer for DeepSpeed;
+  hf_zero's Trainer path leaves it to the config); a warning names the class.
 
-A class whose name is in :data:`SHAPE_AWARE_OPTIMIZER_NAMES` (anywhere in its MRO) is refused
+A class whose name is in :data:`SHAPE_AWARE_OPTIMIZER_NAMES`, or from a package in
+:data:`SHAPE_AWARE_OPTIMIZER_MODULES` (anywhere in its MRO), is refused
 even with that key: the key cannot make a flat-shard step of it correct.
 """
 
@@ -48,6 +50,9 @@ SHAPE_AWARE_OPTIMIZER_NAMES: frozenset[str] = frozenset({
     "Apollo", "SOAP", "Sophia", "AdamMini", "Adam_mini", "NovoGrad",
 })
 # 8-bit optimizers quantise their state in blocks of a tensor: on a flat shard the blocks differ.
+# bitsandbytes names its 8-bit classes like torch's (AdamW with optim_bits=8, as the Trainer's
+# --optim adamw_bnb_8bit builds it), so its whole package is refused by module.
+SHAPE_AWARE_OPTIMIZER_MODULES: tuple[str, ...] = ("bitsandbytes.", "torchao.")
 
 ALTERNATIVES = (
     "use an element-wise optimizer (torch.optim.AdamW, Adam, SGD, or the config's "
@@ -71,7 +76,8 @@ def declare_elementwise(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Op
 
 
 def classify_optimizer(cls: type) -> OptimizerKind:
-    if any(c.__name__ in SHAPE_AWARE_OPTIMIZER_NAMES for c in cls.__mro__):
+    if any(c.__name__ in SHAPE_AWARE_OPTIMIZER_NAMES or c.__module__.startswith(SHAPE_AWARE_OPTIMIZER_MODULES)
+           for c in cls.__mro__):
         return OptimizerKind.SHAPE_AWARE
     if getattr(cls, "hf_zero_elementwise", False) or issubclass(cls, ELEMENTWISE_TORCH_OPTIMIZERS):
         return OptimizerKind.ELEMENTWISE
