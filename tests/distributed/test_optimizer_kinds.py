@@ -8,6 +8,7 @@ import logging
 import pytest
 import torch
 
+from hf_zero.engine.optimizer_kinds import declare_elementwise
 from tests.distributed import scenarios as S
 from tests.distributed.launch import run_distributed
 
@@ -99,6 +100,7 @@ def test_untested_allowed_or_declared_elementwise_optimizer_is_accepted_with_a_w
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="hf_zero"):
         _initialize(DeclaredSignSGD)
+        _initialize(declare_elementwise(type("DecoratedSignSGD", (SignSGD,), {})))
         _initialize(torch.optim.Adagrad)
     assert not [r for r in caplog.records if "flat 1-D shards" in r.getMessage()]
 
