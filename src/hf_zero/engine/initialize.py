@@ -15,7 +15,8 @@ from hf_zero.config import HfZeroConfig
 from hf_zero.engine.engine import ZeroEngine
 from hf_zero.engine.loss_scaler import build_loss_scaler
 from hf_zero.engine.optimizer import ZeroAdam, ZeroOptimizer
-from hf_zero.engine.optimizer_kinds import check_flat_shard_optimizer
+from hf_zero.engine.optimizer_kinds import OptimizerKind, check_flat_shard_optimizer
+from hf_zero.engine.whole_param_step import WholeParamStep
 from hf_zero.engine.param_source import SOURCE_ATTRIBUTE, ParamSource
 from hf_zero.engine.overlap_step import OverlappedOffloadStep, can_overlap
 from hf_zero.engine.schedulers import build_scheduler
@@ -101,7 +102,12 @@ def _build_inner_optimizer(
         return _rebuild_torch_optimizer(optimizer, shard_groups)
     if callable(optimizer):
         built = optimizer(shard_groups)
-        check_flat_shard_optimizer(type(built), config.zero_allow_untested_optimizer, config.stage)
+        kind = check_flat_shard_optimizer(type(built), config.zero_allow_untested_optimizer, config.stage)
+        if kind is OptimizerKind.WHOLE_PARAM:
+            raise ValueError(
+                f"{type(built).__name__} is shape-aware and a callable builds it over the flat shards it is "
+                "given; pass the optimizer instance built on model.parameters() instead, and hf_zero steps "
+                "each parameter whole on one rank (see docs/optimizers.md)")
         return built
     if config.optimizer is None:
         return None
@@ -177,8 +183,10 @@ def initialize(
 
     source = _lazy_source(model)
     _place_buffers(model, device, comm, source)
+    optimizer_kind = OptimizerKind.ELEMENTWISE
     if isinstance(optimizer, torch.optim.Optimizer):  # before any sharding: see [Note: element-wise optimizers]
-        check_flat_shard_optimizer(type(optimizer), resolved.zero_allow_untested_optimizer, resolved.stage)
+        optimizer_kind = check_flat_shard_optimizer(type(optimizer), resolved.zero_allow_untested_optimizer,
+                                                    resolved.stage)
     param_group_of, hyper = _param_group_index(model, optimizer, model_parameters)
     plan = plan_units(model, resolved.zero.wrap_modules)
     threshold = int(resolved.zero.stage3_param_persistence_threshold) if resolved.stage == 3 else 0
@@ -209,11 +217,17 @@ def initialize(
     for group in trainable:
         shard_groups[group.kind.param_group_index]["params"].append(group.master)
     shard_groups = [g for g in shard_groups if g["params"]] or [dict(hyper[0], params=[])]
-    inner = _build_inner_optimizer(resolved, optimizer, shard_groups) if trainable else None
+    whole_params = None
+    if optimizer_kind is OptimizerKind.WHOLE_PARAM and trainable:  # see [Note: whole-parameter step]
+        whole_params = WholeParamStep(trainable, comm, hyper, device)
+        inner = whole_params.inner = _rebuild_torch_optimizer(optimizer, whole_params.param_groups)
+    else:
+        inner = _build_inner_optimizer(resolved, optimizer, shard_groups) if trainable else None
     zero_optimizer = None
     if inner is not None:
         zero_optimizer = ZeroOptimizer(inner, trainable, comm, resolved.gradient_clipping, resolved.stage,
                                        allgather_bucket_numel=int(resolved.zero.allgather_bucket_size))
+        zero_optimizer.whole_params = whole_params
         zero_optimizer.loss_scaler = build_loss_scaler(**_loss_scaler_kwargs(resolved))
         if offload.optimizer == "nvme":
             zero_optimizer.nvme = _nvme_store(offload, comm.rank, trainable)

@@ -60,10 +60,21 @@ ALTERNATIVES = (
 )
 
 
+# Shape-aware classes hf_zero steps whole, one owner rank per parameter ([Note: whole-parameter
+# step] in hf_zero.engine.whole_param_step): exact classes only, a subclass may read more.
+WHOLE_PARAM_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = tuple(
+    getattr(torch.optim, name) for name in ("Adafactor",) if hasattr(torch.optim, name)
+)
+# The same by (module, qualified name), for packages not imported here: transformers' Adafactor
+# (the Trainer's --optim adafactor) scales each parameter's update by that parameter's RMS.
+WHOLE_PARAM_OPTIMIZER_NAMES: frozenset[tuple[str, str]] = frozenset({("transformers.optimization", "Adafactor")})
+
+
 class OptimizerKind(enum.Enum):
     """How hf_zero may step an optimizer class over flat shards."""
 
     ELEMENTWISE = "element-wise"          # known or declared: the flat-shard step is exact
+    WHOLE_PARAM = "whole-parameter"       # shape-aware, stepped whole by an owner rank
     SHAPE_AWARE = "shape-aware"           # known to need whole tensors: refused
     UNTESTED = "untested"                 # unknown: refused unless zero_allow_untested_optimizer
 
@@ -76,6 +87,8 @@ def declare_elementwise(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Op
 
 
 def classify_optimizer(cls: type) -> OptimizerKind:
+    if cls in WHOLE_PARAM_OPTIMIZERS or (cls.__module__, cls.__qualname__) in WHOLE_PARAM_OPTIMIZER_NAMES:
+        return OptimizerKind.WHOLE_PARAM
     if any(c.__name__ in SHAPE_AWARE_OPTIMIZER_NAMES or c.__module__.startswith(SHAPE_AWARE_OPTIMIZER_MODULES)
            for c in cls.__mro__):
         return OptimizerKind.SHAPE_AWARE
@@ -84,14 +97,14 @@ def classify_optimizer(cls: type) -> OptimizerKind:
     return OptimizerKind.UNTESTED
 
 
-def check_flat_shard_optimizer(cls: type, allow_untested: bool, stage: int) -> None:
+def check_flat_shard_optimizer(cls: type, allow_untested: bool, stage: int) -> OptimizerKind:
     """Refuse ``cls`` before any step when a flat-shard step of it would not be the optimizer
     the user chose (see [Note: element-wise optimizers]). Stage 0 steps one flat tensor per
     group too (the whole group), so it is checked the same way."""
     kind = classify_optimizer(cls)
     name = f"{cls.__module__}.{cls.__qualname__}"
-    if kind is OptimizerKind.ELEMENTWISE:
-        return
+    if kind in (OptimizerKind.ELEMENTWISE, OptimizerKind.WHOLE_PARAM):
+        return kind
     if kind is OptimizerKind.SHAPE_AWARE:
         raise ValueError(
             f"{name} is a shape-aware optimizer (its update reads whole parameter tensors or their "
@@ -108,3 +121,4 @@ def check_flat_shard_optimizer(cls: type, allow_untested: bool, stage: int) -> N
     logger.warning(
         "hf_zero: %s is stepped over flat 1-D shards (zero_allow_untested_optimizer is true); "
         "this is exact only if its update is element-wise (see docs/optimizers.md)", name)
+    return kind
