@@ -81,6 +81,13 @@ def test_torch_and_transformers_adafactor_are_accepted_for_the_whole_parameter_s
         assert any(p.dim() == 2 for g in optimizer.param_groups for p in g["params"])  # whole, not flat
 
 
+def test_loading_a_checkpoint_into_a_whole_parameter_step_is_refused_before_reading(no_launcher_env, tmp_path):
+    _, (engine, _, _, _) = _initialize(torch.optim.Adafactor)
+    engine.save_checkpoint(str(tmp_path))
+    with pytest.raises(NotImplementedError, match="with Adafactor .* is not supported yet; nothing was loaded"):
+        engine.load_checkpoint(str(tmp_path))
+
+
 class AdamW(SignSGD):
     """Named like torch's, from another package: bitsandbytes' 8-bit AdamW is spelt this way."""
 
