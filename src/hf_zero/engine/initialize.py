@@ -18,7 +18,8 @@ from hf_zero.engine.engine import ZeroEngine
 from hf_zero.engine.host_memory import return_freed_buffers_to_the_os
 from hf_zero.engine.loss_scaler import build_loss_scaler
 from hf_zero.engine.optimizer import ZeroAdam, ZeroOptimizer
-from hf_zero.engine.optimizer_kinds import check_optimizer, refuse_shape_aware
+from hf_zero.engine.optimizer_kinds import OptimizerKind, check_flat_shard_optimizer
+from hf_zero.engine.whole_param_step import WholeParamStep
 from hf_zero.engine.param_source import SOURCE_ATTRIBUTE, ParamSource
 from hf_zero.engine.overlap_step import OverlappedOffloadStep, can_overlap
 from hf_zero.engine.rank_agreement import TIMEOUT_ENV, agree, collective_timeout_s, fingerprint
@@ -103,9 +104,14 @@ def _build_inner_optimizer(
         )
     if isinstance(optimizer, torch.optim.Optimizer):
         return _rebuild_torch_optimizer(optimizer, shard_groups)
-    if callable(optimizer):  # built over the shards by the caller: only a shape-aware class is refused
+    if callable(optimizer):
         built = optimizer(shard_groups)
-        refuse_shape_aware(built)
+        kind = check_flat_shard_optimizer(type(built), config.zero_allow_untested_optimizer, config.stage)
+        if kind is OptimizerKind.WHOLE_PARAM:
+            raise ValueError(
+                f"{type(built).__name__} is shape-aware and a callable builds it over the flat shards it is "
+                "given; pass the optimizer instance built on model.parameters() instead, and hf_zero steps "
+                "each parameter whole on one rank (see docs/optimizers.md)")
         return built
     if config.optimizer is None:
         return None
@@ -176,11 +182,13 @@ def initialize(
     device = default_device()
     comm, parsed, local_error = _join_group(device, config)
     resolved = param_group_of = hyper = plan = prints = None
+    optimizer_kind = OptimizerKind.ELEMENTWISE
     if local_error is None:  # until agree(): nothing that another rank could wait on
         try:
             resolved = parsed.resolve(world_size=comm.world_size, hidden_size=hidden_size_of(model))
-            if isinstance(optimizer, torch.optim.Optimizer):  # [Note: element-wise optimizers]
-                check_optimizer(optimizer, resolved.zero_allow_untested_optimizer, comm.rank)
+            if isinstance(optimizer, torch.optim.Optimizer):  # before any sharding: [Note: element-wise optimizers]
+                optimizer_kind = check_flat_shard_optimizer(type(optimizer), resolved.zero_allow_untested_optimizer,
+                                                            resolved.stage)
             param_group_of, hyper = _param_group_index(model, optimizer, model_parameters)
             plan = plan_units(model, resolved.zero.wrap_modules)
             prints = fingerprint(resolved.to_dict(), hyper, plan.units)
@@ -235,11 +243,17 @@ def initialize(
     trainable = [g for u in units for g in u.groups if g.kind.trainable]
     for group in trainable:
         shard_groups[group.kind.param_group_index]["params"].append(group.master)
-    inner = _build_inner_optimizer(resolved, optimizer, shard_groups) if trainable else None
+    whole_params = None
+    if optimizer_kind is OptimizerKind.WHOLE_PARAM and trainable:  # see [Note: whole-parameter step]
+        whole_params = WholeParamStep(trainable, comm, hyper, device)
+        inner = whole_params.inner = _rebuild_torch_optimizer(optimizer, whole_params.param_groups)
+    else:
+        inner = _build_inner_optimizer(resolved, optimizer, shard_groups) if trainable else None
     zero_optimizer = None
     if inner is not None:
         zero_optimizer = ZeroOptimizer(inner, trainable, comm, resolved.gradient_clipping, resolved.stage,
                                        allgather_bucket_numel=int(resolved.zero.allgather_bucket_size))
+        zero_optimizer.whole_params = whole_params
         zero_optimizer.loss_scaler = build_loss_scaler(**_loss_scaler_kwargs(resolved))
         zero_optimizer.skip_nonfinite = resolved.bf16.enabled and resolved.bf16.check_grad_overflow
         if offload.optimizer == "nvme":

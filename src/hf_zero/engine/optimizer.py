@@ -35,6 +35,8 @@ class ZeroAdam(torch.optim.Optimizer):
     its ``adam_w_mode``); False is Adam with L2 regularisation added to the gradient.
     """
 
+    hf_zero_elementwise = True  # see [Note: element-wise optimizers] in hf_zero.engine.optimizer_kinds
+
     def __init__(
         self,
         params: Iterable[Any],
@@ -122,6 +124,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._zero_grad_profile_name = "Optimizer.zero_grad#ZeroOptimizer.zero_grad"
         self.nvme: Any = None  # an NvmeOptimizerStore when offload_optimizer.device is nvme
         self.overlapped: Any = None  # an OverlappedOffloadStep: see [Note: overlapped offload step]
+        self.whole_params: Any = None  # a WholeParamStep: see [Note: whole-parameter step]
         if isinstance(inner, ZeroAdam):
             for g in self.groups:
                 # The kernel writes the compute copy in the same pass, unless the master is on the
@@ -238,7 +241,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.nvme is not None:
             self._nvme_step(scale, clip_coef)
             return
-        if isinstance(self.inner, ZeroAdam):
+        if self.whole_params is not None:  # shape-aware: see [Note: whole-parameter step]
+            self.whole_params.step(clip_coef / scale)
+        elif isinstance(self.inner, ZeroAdam):
             self.inner.step(grad_scale=scale, clip_coef=clip_coef)
         else:
             factor = clip_coef / scale
