@@ -22,19 +22,9 @@ import shutil
 from typing import Callable, Iterator
 
 from hf_zero.checkpoint.safetensors_io import fsync_dir
+from hf_zero.processes import pid_alive
 
 _LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(staging|previous)-(?P<pid>\d+)-[0-9a-f]+$")
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this id runs on this machine (signal 0 checks, sends nothing)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def remove_dead_leftovers(parent: str, name: str) -> list[str]:

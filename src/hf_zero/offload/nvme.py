@@ -25,6 +25,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from hf_zero.processes import pid_alive
+
 logger = logging.getLogger("hf_zero")
 
 STATES = ("master", "exp_avg", "exp_avg_sq")
@@ -107,7 +109,7 @@ def report_stale_folders(path: str) -> list[str]:
     stale = []
     for entry in os.listdir(path):
         match = _RANK_FOLDER.match(entry)
-        if match and int(match.group(1)) != os.getpid() and not _pid_alive(int(match.group(1))):
+        if match and int(match.group(1)) != os.getpid() and not pid_alive(int(match.group(1))):
             stale.append(entry)
     if stale:
         size = sum(os.path.getsize(os.path.join(root, name)) for entry in stale
@@ -116,16 +118,6 @@ def report_stale_folders(path: str) -> list[str]:
                        "if no other machine writes there, delete them to free the space", path, len(stale),
                        ", ".join(sorted(stale)[:5]), format_bytes(size))
     return stale
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class NvmeOptimizerStore:
