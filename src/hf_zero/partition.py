@@ -188,34 +188,29 @@ def choose_unit_modules(
     return [], "the whole model as one unit (no _no_split_modules and no nn.ModuleList)"
 
 
-def _edge_module(model: nn.Module, getter: str, inside: list[tuple[str, nn.Module]]) -> tuple[str, nn.Module] | None:
-    """The module ``model.<getter>()`` returns (Transformers' input/output embedding accessors),
-    with its name, when it can be a unit of its own: see [Note: edge units]."""
+def _accessor_module(model: nn.Module, getter: str) -> nn.Module | None:
+    """What ``model.<getter>()`` returns (Transformers' embedding accessors), if it is a module
+    other than the model; models without embeddings return None or raise."""
     accessor = getattr(model, getter, None)
-    if accessor is None:
-        return None
     try:
-        module = accessor()
-    except (AttributeError, NotImplementedError):  # models without embeddings raise here
+        module = accessor() if accessor is not None else None
+    except (AttributeError, NotImplementedError):
         return None
-    if not isinstance(module, nn.Module) or module is model or not any(True for _ in module.parameters()):
-        return None
-    name = next((n for n, m in model.named_modules() if m is module), None)
-    if name is None or any(m is module or name.startswith(prefix + ".") for prefix, m in inside):
-        return None
-    return name, module
+    return module if isinstance(module, nn.Module) and module is not model else None
 
 
 def _with_edge_units(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
-    """``blocks`` with the input embedding first: see [Note: edge units]."""
-    if not blocks:
+    """``blocks`` with the input embedding first, when it can be a unit: see [Note: edge units]."""
+    embedding = _accessor_module(model, "get_input_embeddings")
+    if not blocks or embedding is None or not any(True for _ in embedding.parameters()):
         return blocks
-    first = _edge_module(model, "get_input_embeddings", blocks)
-    if first is None:
+    name = next((n for n, m in model.named_modules() if m is embedding), None)
+    if name is None or any(m is embedding or name.startswith(prefix + ".") for prefix, m in blocks):
         return blocks
-    output = getattr(model, "get_output_embeddings", lambda: None)()
-    tied = output is not None and any(p is q for p in first[1].parameters() for q in output.parameters())
-    return blocks if tied else [first] + blocks
+    output = _accessor_module(model, "get_output_embeddings")
+    if output is not None and any(p is q for p in embedding.parameters() for q in output.parameters()):
+        return blocks  # tied: the one tensor stays in the root
+    return [(name, embedding)] + blocks
 
 
 def plan_units(model: nn.Module, wrap_modules: Sequence[str] | None = None) -> UnitPlan:

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.integration.conftest import REPO, run_launch, torchrun, write_config
+from tests.integration.conftest import REPO, merge_rank_results, run_launch, torchrun, write_config
 from tests.tiny_models import VOCAB
 
 SFT = str(REPO / "recipes" / "examples" / "train_trl_sft.py")
@@ -83,7 +83,7 @@ def trl_runs(model_dirs: dict[str, str], tmp_path_factory: pytest.TempPathFactor
     plan = {"jobs": jobs, "out": str(root / "results.json")}
     (root / "plan.json").write_text(json.dumps(plan))
     run_launch(torchrun("-m", "tests.integration.trl_driver", str(root / "plan.json")))
-    results = json.loads(Path(plan["out"]).read_text())
+    results = merge_rank_results(plan["out"], 2)
     results["root"] = str(root)
     return results
 

@@ -230,19 +230,24 @@ JOBS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
 }
 
 
-def main(plan_path: str) -> None:
+def run_plan(plan_path: str, run_job: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+    """Every job of the plan in turn; a job that raises is recorded and the next one runs."""
     with open(plan_path) as f:
         plan = json.load(f)
     results: dict[str, Any] = {}
     for job in plan["jobs"]:
         try:
-            results[job["name"]] = JOBS[job["kind"]](copy.deepcopy(job))
-        except Exception:  # record it and go on to the next job
+            results[job["name"]] = run_job(copy.deepcopy(job))
+        except (Exception, SystemExit):  # record it (a script's argparse exits) and go on to the next job
             results[job["name"]] = {"error": traceback.format_exc()[-6000:]}
             os.environ.pop(CONFIG_ENV, None)
     # Every rank writes its own results: a job that fails on one rank only must fail its test.
     with open(rank_results_path(plan["out"], _rank()), "w") as f:
         json.dump(results, f, indent=1)
+
+
+def main(plan_path: str) -> None:
+    run_plan(plan_path, lambda job: JOBS[job["kind"]](job))
 
 
 def rank_results_path(out: str, rank: int) -> str:

@@ -4,7 +4,8 @@ unmodified: plainly for the DDP baselines (the runner's Trainer patches undone f
 transformers as shipped), or through ``hf_zero.run --zero_config`` as on the command line.
 
 ``torchrun --standalone --nproc_per_node 2 -m tests.integration.trl_driver PLAN.json``;
-PLAN: {"jobs": [{"name", "script", "argv", "zero_config"?}], "out"}; rank 0 writes PLAN["out"].
+PLAN: {"jobs": [{"name", "script", "argv", "zero_config"?}], "out"}; every rank writes its results
+(trainer_driver.run_plan), so a job failing on one rank only fails its test.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import json
 import os
 import runpy
 import sys
-import traceback
 from typing import Any
+
+from tests.integration.trainer_driver import run_plan
 
 CONFIG_ENV = "HF_ZERO_CONFIG"
 
@@ -41,17 +43,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(plan_path: str) -> None:
-    with open(plan_path) as f:
-        plan = json.load(f)
-    results: dict[str, Any] = {}
-    for job in plan["jobs"]:
-        try:
-            results[job["name"]] = run_job(job)
-        except BaseException:  # noqa: BLE001 - one job's failure is reported, the others still run
-            results[job["name"]] = {"error": traceback.format_exc()[-6000:]}
-    if int(os.environ.get("RANK", "0")) == 0:
-        with open(plan["out"], "w") as f:
-            json.dump(results, f)
+    run_plan(plan_path, run_job)
 
 
 if __name__ == "__main__":
