@@ -52,7 +52,6 @@ import importlib.util
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -254,12 +253,6 @@ def deepspeed_unavailable() -> str | None:
     return None
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_env(args: argparse.Namespace, family: str) -> dict[str, str]:
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = str(args.threads)
@@ -303,8 +296,9 @@ def launch(variant: Variant, workload: Workload, args: argparse.Namespace, work_
     spec_path = work_dir / f"{tag}.spec.json"
     spec_path.write_text(json.dumps(spec))
     log_path = work_dir / f"{tag}.log"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(args.nproc),
-               "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+    # --standalone: the rendezvous store binds a free port itself. A port picked here and handed over
+    # can be taken by another process in between (seen in CI as a DDP run failing after 5 s).
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
                "-m", "engines.worker", "--spec", str(spec_path)]
     started = time.perf_counter()
     with log_path.open("w") as log:
@@ -624,7 +618,7 @@ def run_all(args: argparse.Namespace, variants_: list[Variant], workload: Worklo
                       end="", flush=True)
                 raw = launch(variant, workload, args, work_dir, repeat)
                 if "error" in raw:
-                    print(f" FAILED: {raw['error']} (log: {raw['log']})", flush=True)
+                    print(f" FAILED: {raw['error']} (log: {raw['log']})\n{raw['log_tail']}", flush=True)
                     status = "unavailable" if variant.family == "deepspeed" else "failed"
                     rows[variant.label] = {"ok": False, "status": status, "reason": raw["error"],
                                            "log_tail": raw["log_tail"]}
