@@ -151,7 +151,7 @@ def _train_steps(folder: str, steps: int) -> dict[str, Any]:
 def test_steady_state_memory_is_flat(checkpoint, monkeypatch):
     """Every step allocates and frees each unit's full parameters and gradients. Without the
     engine's allocator setting, glibc keeps the freed buffers and resident memory climbs by about
-    four times a rank's shard after the first step (see [Note: freed buffers and the host
+    five times a rank's shard after the first step (see [Note: freed buffers and the host
     allocator]); with it, by less than one shard."""
     for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_"):
         monkeypatch.delenv(name, raising=False)  # any of these also stops glibc's dynamic threshold

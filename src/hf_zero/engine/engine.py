@@ -13,6 +13,7 @@ from torch import nn
 from hf_zero.comm import Communicator
 from hf_zero.engine.compiled_units import compile_units, is_compiled, training_without_cache
 from hf_zero.engine.hooks import UnitProtocol
+from hf_zero.engine.host_memory import return_freed_buffers_to_the_os
 from hf_zero.engine.memory import format_memory_table, memory_report
 from hf_zero.engine.optimizer import ZeroOptimizer
 from hf_zero.engine.timers import PhaseTimers
@@ -202,6 +203,7 @@ class ZeroEngine(nn.Module):
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
         self.micro_steps += 1
+        return_freed_buffers_to_the_os()  # see [Note: freed buffers and the host allocator]
         self._last_step_time_s = time.perf_counter() - start
 
     def _maybe_print_progress(self) -> None:

@@ -15,7 +15,7 @@ from hf_zero.config import HfZeroConfig
 from hf_zero.config.validate import config_warnings
 from hf_zero.engine.deferred_load import disarm_materialisation, find_source, initialise_new_adapters
 from hf_zero.engine.engine import ZeroEngine
-from hf_zero.engine.host_memory import return_freed_buffers_to_the_os
+from hf_zero.engine.host_memory import pin_mmap_threshold
 from hf_zero.engine.loss_scaler import build_loss_scaler
 from hf_zero.engine.optimizer import ZeroAdam, ZeroOptimizer
 from hf_zero.engine.optimizer_kinds import OptimizerKind, check_flat_shard_optimizer
@@ -200,7 +200,8 @@ def initialize(
         for warning in config_warnings(resolved.to_dict()):
             logger.warning("hf_zero config: %s", warning)
 
-    return_freed_buffers_to_the_os()  # see [Note: freed buffers and the host allocator]
+    if resolved.stage == 3:
+        pin_mmap_threshold()  # see [Note: freed buffers and the host allocator]
     source, source_owner = _lazy_source(model)
     if source is not None:
         _agree_on_real_params(model, comm, device)
