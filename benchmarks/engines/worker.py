@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     dist.barrier()
     # DDP's reducer keeps the gloo group alive past destroy_process_group; at interpreter exit its
     # threads were then torn down joinable ("terminate called without an active exception",
-    # SIGABRT, about one DDP run in three on a 2-core machine), failing a run whose results were
+    # SIGABRT, about one DDP run in six on a 2-core machine), failing a run whose results were
     # already written. Drop the engine first, then the group.
     del runner
     gc.collect()
