@@ -14,7 +14,6 @@ World size 1 runs the same code with the collectives skipped and nothing counted
 
 from __future__ import annotations
 
-import atexit
 from collections import defaultdict
 from datetime import timedelta
 from contextlib import contextmanager
@@ -25,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
+from hf_zero.comm.process_group import leave_gloo_groups_at_exit
 from hf_zero.transfer import assert_not_host
 
 
@@ -56,11 +56,9 @@ class _DoneHandle:
 # when ranks take different paths through the model, the moment a rank's gradients are ready
 # differs between ranks while its gathers follow the shared schedule (hooks.py), so with one
 # group a reduction could pair with a gather. With two, each sequence is rank-invariant on its
-# own. One gradient group is made per process group and reused by every engine. Only this
-# table holds it, and an exit hook empties it: a gloo group still alive when the interpreter
-# finalizes can abort the process ("terminate called without an active exception").
+# own. One gradient group is made per process group and reused by every engine; at exit it is
+# destroyed with the others ([Note: leaving a gloo group]).
 _GRAD_GROUPS: dict[object, dist.ProcessGroup] = {}
-atexit.register(_GRAD_GROUPS.clear)
 
 
 def _grad_group_key(group: dist.ProcessGroup | None) -> object:
@@ -155,6 +153,7 @@ class Communicator:
         self.world_size = dist.get_world_size(group) if self.initialized else 1
         if self.world_size > 1:  # see [Note: two process groups]
             _make_grad_group(group, timeout_s)
+            leave_gloo_groups_at_exit(release_own_references=_GRAD_GROUPS.clear)
         self.stats = CommStats()
         self.timeout_s = timeout_s  # the collective timeout hf_zero set, if it did (see [Note: collective errors])
         self.where: Callable[[], str] = lambda: "initialize"  # the engine points this at its counters
