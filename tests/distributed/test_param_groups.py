@@ -97,6 +97,8 @@ def test_empty_and_equal_groups_keep_their_places(runs: list[dict[str, Any]], st
         assert [{k: g[k] for k in ("weight_decay", "lr")} for g in groups] == reference["groups"]
         assert groups[1]["masters"] == 0 and all(g["masters"] > 0 for i, g in enumerate(groups) if i != 1)
         torch.testing.assert_close(rank_result["losses"], reference["losses"], rtol=1e-5, atol=1e-6)
+        # Three AdamW steps at lr 1e-2 move every trained weight by ~3e-2 (the slow group by ~3e-3);
+        # fp32 reduction order leaves up to 1.6e-6 between the sharded run and torch (measured).
         for name, values in reference["params"].items():
             torch.testing.assert_close(torch.tensor(rank_result["params"][name]), torch.tensor(values),
-                                       rtol=1e-5, atol=1e-6, msg=name)
+                                       rtol=1e-5, atol=1e-5, msg=name)
