@@ -85,6 +85,48 @@ def test_meta_model_without_a_source_is_a_clear_error():
         hf_zero.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1})
 
 
+def _edited_checkpoint(root: str, edit: str) -> str:
+    """A tiny Llama checkpoint with one extra tensor, or with one weight of another shape."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.tiny_models import tiny_llama
+
+    path = os.path.join(root, edit)
+    tiny_llama(seed=1).save_pretrained(path)
+    file = os.path.join(path, "model.safetensors")
+    weights = load_file(file)
+    if edit == "extra":
+        weights["model.extra_proj.weight"] = torch.ones(3, 3)
+    elif edit == "shape":
+        weights["model.norm.weight"] = torch.ones(weights["model.norm.weight"].numel() + 1)
+    save_file(weights, file, metadata={"format": "pt"})
+    return path
+
+
+@pytest.mark.parametrize("edit", ["none", "extra", "shape"])
+def test_loading_info_is_what_a_plain_load_reports(tmp_path, edit):
+    """output_loading_info under a live stage-3 config: the unexpected keys of a lazy load, and
+    a weight of another shape handed to transformers' full load (which raises, or re-initialises
+    it under ignore_mismatched_sizes=True and says so)."""
+    import transformers
+
+    import hf_zero
+
+    path = _edited_checkpoint(str(tmp_path), edit)
+    kwargs = {"output_loading_info": True, "ignore_mismatched_sizes": edit == "shape"}
+    _, expected = transformers.LlamaForCausalLM.from_pretrained(path, **kwargs)
+    live = hf_zero.HfZeroConfig(ZERO3)
+    model, info = transformers.LlamaForCausalLM.from_pretrained(path, **kwargs)
+    assert info == expected
+    assert all(p.is_meta for p in model.parameters()) == (edit != "shape")  # the full load is not lazy
+    assert info["unexpected_keys"] == ({"model.extra_proj.weight"} if edit == "extra" else set())
+    if edit == "shape":
+        assert info["mismatched_keys"], info
+        with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):
+            transformers.LlamaForCausalLM.from_pretrained(path)
+    del live
+
+
 # ------------------------------------------------------------------ memory
 BIG = dict(vocab_size=8192, n_positions=64, n_embd=1024, n_layer=8, n_head=16)  # 109M parameters
 FIXED_OVERHEAD_MB = 96  # allocator slack, safetensors mmap bookkeeping, the transient per-param read

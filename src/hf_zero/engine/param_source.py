@@ -107,6 +107,14 @@ class SafetensorsSource:
     def has(self, name: str) -> bool:
         return self.key_for(name) is not None
 
+    def keys(self) -> list[str]:
+        """Every tensor name in the files, as stored."""
+        return list(self._entries)
+
+    def stored_shape(self, name: str) -> tuple[int, ...] | None:
+        key = self.key_for(name)
+        return None if key is None else self._entries[key][2]
+
     @property
     def description(self) -> str:
         return self.files[0] if len(self.files) == 1 else f"{len(self.files)} files in {os.path.dirname(self.files[0])}"

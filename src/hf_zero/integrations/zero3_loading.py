@@ -31,6 +31,7 @@ import copy
 import json
 import logging
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -229,6 +230,13 @@ def lazy_from_pretrained(cls: Any, path: str, plan: LazyPlan, **kwargs: Any) -> 
     if missing:
         # A head on a base checkpoint: a full load initialises the new weights.
         return f"the checkpoint lacks {len(missing)} weight(s) of the model ({missing[:4]}), which a full load initialises"
+    mismatched = [(name, source.stored_shape(name), tuple(p.shape)) for name, p in model.named_parameters()
+                  if source.stored_shape(name) != tuple(p.shape)]
+    if mismatched:
+        # transformers raises, or re-initialises them under ignore_mismatched_sizes=True
+        name, stored, expected = mismatched[0]
+        return (f"{len(mismatched)} weight(s) of the checkpoint have another shape than the model's "
+                f"({name}: {stored} in the files, {expected} in the model), which a full load reports")
     setattr(model, SOURCE_ATTRIBUTE, source)
     _load_generation_config(model, path, plan, kwargs.get("generation_config"))
     model.eval()
@@ -236,8 +244,19 @@ def lazy_from_pretrained(cls: Any, path: str, plan: LazyPlan, **kwargs: Any) -> 
     logger.info("hf_zero: %s from %s on the meta device; hf_zero.initialize reads each rank's shards",
                 cls.__name__, os.path.dirname(plan.files[0]))
     if kwargs.get("output_loading_info"):
-        return model, {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "error_msgs": []}
+        # What a full load reports; missing or mismatched weights took the full load above.
+        return model, {"missing_keys": set(), "unexpected_keys": _unexpected_keys(cls, model, source),
+                       "mismatched_keys": set(), "error_msgs": []}
     return model
+
+
+def _unexpected_keys(cls: Any, model: torch.nn.Module, source: SafetensorsSource) -> set[str]:
+    """The checkpoint's tensors no parameter or buffer of the model reads, less the patterns the
+    class declares it ignores (``_keys_to_ignore_on_load_unexpected``), as transformers does."""
+    used = {source.key_for(name) for name, _ in model.named_parameters(remove_duplicate=False)}
+    used |= {source.key_for(name) for name, _ in model.named_buffers(remove_duplicate=False)}
+    ignored = [re.compile(p) for p in getattr(cls, "_keys_to_ignore_on_load_unexpected", None) or []]
+    return {key for key in source.keys() if key not in used and not any(p.search(key) for p in ignored)}
 
 
 def lazy_from_config(cls: Any, config: Any, **kwargs: Any) -> Any:
