@@ -59,6 +59,15 @@ class _CompiledUnits(logging.Handler):
             self.count += record.args[0]
 
 
+def _wait_for_main_process_files() -> None:
+    """The script's metrics and state files are written by rank 0 alone, after its last collective:
+    another rank that reads them as soon as its own script returns can find them half written."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
 def run_script(job: dict[str, Any]) -> dict[str, Any]:
     """The example script, as ``python -m hf_zero.run SCRIPT --zero_config ...`` or plain."""
     argv = list(job["argv"])
@@ -80,6 +89,7 @@ def run_script(job: dict[str, Any]) -> dict[str, Any]:
         runpy.run_path(SCRIPT, run_name="__main__")
     hf_zero_logger.removeHandler(compiled)
     hf_zero_logger.setLevel(level)
+    _wait_for_main_process_files()
     output_dir = argv[argv.index("--output_dir") + 1]
     result: dict[str, Any] = {"output_dir": output_dir, "compiled_units": compiled.count}
     if "--do_train" in argv:
