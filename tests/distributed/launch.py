@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
+import subprocess
 import tempfile
 import traceback
 from typing import Any, Callable
@@ -16,6 +18,23 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def run_process_tree(cmd: list[str], *, timeout: float, **popen_kwargs: Any) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True)`` for a launcher and its workers: on a
+    timeout every process of the launch is killed, so a rank that hangs fails the test with the
+    output so far. (``subprocess.run`` kills only the launcher; a worker still holding the output
+    pipes would then keep the test waiting forever.)"""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, **popen_kwargs)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"{' '.join(cmd)} did not finish in {timeout:.0f} s; killed. Output:\n"
+                             f"{(stdout + stderr)[-8000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out_dir: str) -> None:

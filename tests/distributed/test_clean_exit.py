@@ -11,11 +11,12 @@ out) and records what the hook left behind.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.distributed.launch import run_process_tree
 
 SCRIPT = '''
 import atexit, json, os, sys
@@ -55,10 +56,10 @@ def test_a_script_that_never_destroys_its_group_exits_cleanly(tmp_path: Path) ->
     for run in range(RUNS):
         out = tmp_path / f"run{run}"
         out.mkdir()
-        proc = subprocess.run(
+        proc = run_process_tree(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
              str(script), str(out)],
-            capture_output=True, text=True, timeout=120,
+            timeout=120,
         )
         log = proc.stdout + proc.stderr
         assert log.count("trained") == 2, log[-3000:]

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from tests.distributed.launch import run_process_tree
 from tests.tiny_models import BUILDERS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,7 +39,7 @@ def subprocess_env() -> dict[str, str]:
 
 
 def run_launch(cmd: list[str], timeout: int = LAUNCH_TIMEOUT_S) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
+    proc = run_process_tree(cmd, cwd=REPO, env=subprocess_env(), timeout=timeout)
     if proc.returncode != 0:
         tail = (proc.stdout + proc.stderr)[-12000:]
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{tail}")

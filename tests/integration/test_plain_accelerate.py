@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +24,7 @@ import pytest
 import torch
 import yaml
 
-from tests.distributed.launch import free_port
+from tests.distributed.launch import free_port, run_process_tree
 from tests.integration.conftest import LAUNCH_TIMEOUT_S, REPO, subprocess_env
 
 SCRIPT = str(Path(__file__).with_name("plain_accelerate_clm.py"))
@@ -33,7 +34,7 @@ STAGES = (2, 3)
 
 def _run(cmd: list[str], **env: str) -> subprocess.CompletedProcess:
     full_env = dict(subprocess_env(), ACCELERATE_USE_CPU="true", **env)
-    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    proc = run_process_tree(cmd, cwd=REPO, env=full_env, timeout=LAUNCH_TIMEOUT_S)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-8000:]}")
     return proc
@@ -53,7 +54,8 @@ def runs(model_dirs: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -
               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     script_args = lambda name: ["--model_name_or_path", model_dirs["llama"], "--output_dir", str(root / name),  # noqa: E731
                                 "--max_grad_norm", str(CLIP)]
-    _run([*launch, "--main_process_port", str(free_port()), SCRIPT, *script_args("ddp")])
+    ddp_pythonpath = os.pathsep.join([str(Path(__file__).with_name("ddp_exit_guard")), subprocess_env()["PYTHONPATH"]])
+    _run([*launch, "--main_process_port", str(free_port()), SCRIPT, *script_args("ddp")], PYTHONPATH=ddp_pythonpath)
     _run([*launch, "--main_process_port", str(free_port()), "-m", "hf_zero.run", SCRIPT,
           "--zero_config", _config(root / "zero2.json", 2), *script_args("z2")],
          HF_ZERO_MEMORY_REPORT=str(root / "memory-z2"))

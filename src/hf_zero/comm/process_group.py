@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
 import logging
 import os
@@ -80,15 +81,42 @@ def ensure_process_group(device: torch.device, timeout_s: float | None = None) -
 # still holding a finished collective can release it. Everything it does is local (no
 # collective): a rank leaving early on an error does not wait for its peers. NCCL groups are
 # left to torch, whose destructor aborts the communicator.
+# A script that destroys the group itself (Accelerate's ``end_training``) meets the same worker
+# differently: the group object lives on in whatever still references it (a DDP reducer, an
+# engine) and its destructor joins the worker threads while the GIL is held, so a worker waiting
+# for the GIL deadlocks the rank after its work is done (seen once in a DDP run of an unmodified
+# Accelerate script; torch issue 56297). ``destroy_process_group`` therefore also hands the GIL
+# away for a moment once the groups are destroyed, before any such reference can be dropped.
 _EXIT_GRACE_S = 0.05
 _exit_hook: dict[str, bool] = {}
 
 
 def leave_gloo_groups_at_exit(release_own_references: Callable[[], None]) -> None:
-    """Register (once per process) the exit hook of [Note: leaving a gloo group]."""
+    """Register (once per process) the exit hook of [Note: leaving a gloo group], and let gloo
+    workers finish after a script's own ``destroy_process_group``."""
     if not _exit_hook:
         atexit.register(_leave_gloo_groups, release_own_references)
+        let_gloo_workers_finish_after_destroy()
         _exit_hook["registered"] = True
+
+
+def let_gloo_workers_finish_after_destroy() -> None:
+    """Make ``torch.distributed.destroy_process_group`` hand the GIL away for a moment after
+    destroying gloo groups ([Note: leaving a gloo group]). Idempotent."""
+    if not getattr(dist.destroy_process_group, "_hf_zero_lets_workers_finish", False):
+        dist.destroy_process_group = _letting_gloo_workers_finish(dist.destroy_process_group)
+
+
+def _letting_gloo_workers_finish(destroy: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(destroy)
+    def destroy_process_group(*args: Any, **kwargs: Any) -> None:
+        gloo = dist.is_initialized() and dist.get_backend() == "gloo"
+        destroy(*args, **kwargs)
+        if gloo:
+            time.sleep(_EXIT_GRACE_S)  # releases the GIL
+
+    destroy_process_group._hf_zero_lets_workers_finish = True  # type: ignore[attr-defined]
+    return destroy_process_group
 
 
 def _leave_gloo_groups(release_own_references: Callable[[], None]) -> None:
