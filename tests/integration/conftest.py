@@ -63,6 +63,18 @@ def script_args(kind: str, model_dir: str, output_dir: str, *extra: str) -> list
     ]
 
 
+LEARNABLE_LR = 2e-2
+
+
+def write_learnable_rows(path: Path, rows: int = 48) -> str:
+    """A ``--train_file`` of Markov sequences (tests.tiny_models.learnable_batch): a model can
+    learn them, so the loss falls by far more than precision noise."""
+    from tests.tiny_models import learnable_batch
+
+    path.write_text("".join(json.dumps({"input_ids": row}) + "\n" for row in learnable_batch(0, rows).tolist()))
+    return str(path)
+
+
 def write_config(path: Path, stage: int, **extra: Any) -> str:
     config = json.loads((RECIPES / f"zero{stage}.json").read_text())
     for key, value in extra.items():
@@ -131,9 +143,16 @@ def _plan(model_dirs: dict[str, str], root: Path) -> dict[str, Any]:
     # DDP at learning rate 0: the untrained model's loss on each step's batch
     jobs.append({"name": "gpt2-ddp-lr0", "kind": "script",
                  "argv": script_args("gpt2", model_dirs["gpt2"], out("gpt2-ddp-lr0"), "--learning_rate", "0.0")})
+    # Mixed precision through the Trainer, on learnable data with a learning rate at which the
+    # loss falls far more than bf16/fp16 rounding moves it (see test_mixed_precision_trains_like_fp32).
+    learnable = ["--train_file", write_learnable_rows(root / "markov.jsonl"), "--learning_rate", str(LEARNABLE_LR)]
+    jobs.append({"name": "gpt2-ddp-learnable", "kind": "script",
+                 "argv": script_args("gpt2", model_dirs["gpt2"], out("gpt2-ddp-learnable"), *learnable)})
     bf16 = write_config(root / "zero3-bf16.json", 3, zero_optimization={"stage3_gather_16bit_weights_on_model_save": True})
     jobs.append({"name": "gpt2-z3-bf16", "kind": "script", "zero_config": bf16,
-                 "argv": script_args("gpt2", model_dirs["gpt2"], out("gpt2-z3-bf16"), "--bf16")})
+                 "argv": script_args("gpt2", model_dirs["gpt2"], out("gpt2-z3-bf16"), *learnable, "--bf16")})
+    jobs.append({"name": "gpt2-z2-fp16", "kind": "script", "zero_config": configs[2],
+                 "argv": script_args("gpt2", model_dirs["gpt2"], out("gpt2-z2-fp16"), *learnable, "--fp16")})
     for stage in (1, 2, 3):
         full = out(f"resume-z{stage}-full")
         jobs.append({"name": f"resume-z{stage}-full", "kind": "script", "zero_config": configs[stage],
