@@ -181,7 +181,7 @@ def test_partial_optimizer_offload_needs_device_cpu(device: str) -> None:
         ({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3, "max_coeff": 10}}}, "optimizer.type"),
         ({"optimizer": {"type": "lion"}}, "optimizer.type"),
         ({"optimizer": {"type": "OneBitAdam"}}, "optimizer.type"),
-        ({"optimizer": {"type": "Muon"}}, "optimizer.type"),
+        ({"optimizer": {"type": "Adafactor"}}, "optimizer.type"),  # a torch.optim class hf_zero does not build
         ({"optimizer": {"type": "SGD", "params": {"momentum": 0.9}}}, "optimizer.type"),  # any torch.optim class
         ({"optimizer": {"type": "AdamW", "params": {"amsgrad": True}}}, "optimizer.params.amsgrad"),
         ({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0, "cycle_max_lr": 1e-3}}}, "scheduler.type"),
@@ -341,3 +341,14 @@ def test_error_is_a_value_error_and_pickles() -> None:
     clone = pickle.loads(pickle.dumps(error))
     assert clone.problems == error.problems and str(clone) == str(error)
     assert str(error).startswith("hf_zero config <dict> has 1 problem:")
+
+
+def test_optimizer_params_are_checked_against_the_type() -> None:
+    """Muon takes its own keys (and the auxiliary AdamW's lr, betas, eps); a key of one type
+    under another is named as unknown there."""
+    muon = HfZeroConfig({"optimizer": {"type": "muon", "params": {"lr": 0.02, "momentum": 0.9, "ns_steps": 4,
+                                                                   "adam_lr": 1e-3, "betas": [0.9, 0.95]}}}).optimizer
+    assert (muon.type, muon.lr, muon.momentum, muon.ns_steps, muon.adam_lr, muon.betas) == ("Muon", 0.02, 0.9, 4, 1e-3, (0.9, 0.95))
+    assert [p.path for p in _problems({"optimizer": {"type": "AdamW", "params": {"momentum": 0.9}}})] == ["optimizer.params.momentum"]
+    assert [p.path for p in _problems({"optimizer": {"type": "Muon", "params": {"amsgrad": True}}})] == ["optimizer.params.amsgrad"]
+    assert [p.path for p in _problems({"optimizer": {"type": "Muon", "params": {"ns_steps": 0}}})] == ["optimizer.params.ns_steps"]

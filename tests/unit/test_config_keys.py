@@ -21,26 +21,30 @@ def _set(root: dict[str, Any], path: str, value: Any) -> None:
     root[name] = copy.deepcopy(value)
 
 
-def _all_defaults(scheduler: str) -> dict[str, Any]:
+def _all_defaults(scheduler: str, optimizer: str = "AdamW") -> dict[str, Any]:
     config: dict[str, Any] = {}
     for spec in iter_specs():
         if spec.default is MISSING or (isinstance(spec.kind, Section) and spec.default is None):
             continue
         if spec.scheduler_types and scheduler not in spec.scheduler_types:
             continue
+        if spec.optimizer_types and optimizer not in spec.optimizer_types:
+            continue
         _set(config, spec.path, spec.default)
-    _set(config, "optimizer.type", "AdamW")
+    _set(config, "optimizer.type", optimizer)
     _set(config, "scheduler.type", scheduler)
     if "total_num_steps" in [s.name for s in iter_specs() if scheduler in s.scheduler_types]:
         _set(config, "scheduler.params.total_num_steps", 100)
     return config
 
 
+@pytest.mark.parametrize("optimizer", ["AdamW", "Muon"])
 @pytest.mark.parametrize("scheduler", ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"])
-def test_every_key_at_its_default_loads(scheduler: str) -> None:
+def test_every_key_at_its_default_loads(scheduler: str, optimizer: str) -> None:
     """The RULE: an unimplemented key is only an error when it turns its feature on."""
-    config = HfZeroConfig(_all_defaults(scheduler))
+    config = HfZeroConfig(_all_defaults(scheduler, optimizer))
     assert config.scheduler is not None and config.scheduler.type == scheduler
+    assert config.optimizer is not None and config.optimizer.type == optimizer
     assert config.to_dict()["zero_optimization"]["stage"] == 0
 
 
@@ -58,6 +62,7 @@ def test_specs_are_consistent() -> None:
             assert spec.parent in seen, f"{spec.path}: parent section listed after it"
         for scheduler in spec.scheduler_types:
             assert scheduler in DEEPSPEED_SCHEDULERS
+        assert bool(spec.optimizer_types) == spec.path.startswith("optimizer.params."), spec.path
 
 
 def test_dataclass_fields_are_table_keys() -> None:

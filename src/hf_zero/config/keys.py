@@ -79,7 +79,7 @@ OFFLOAD_DEVICES_NOT_IMPLEMENTED: tuple[str, ...] = ()
 
 # Optimizer / scheduler types hf_zero runs (DeepSpeed's spelling; optimizer types match
 # case-insensitively, as DeepSpeed lower-cases them).
-IMPLEMENTED_OPTIMIZERS: tuple[str, ...] = ("Adam", "AdamW")
+IMPLEMENTED_OPTIMIZERS: tuple[str, ...] = ("Adam", "AdamW", "Muon")
 IMPLEMENTED_SCHEDULERS: tuple[str, ...] = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 
 # What DeepSpeed itself accepts (runtime/config.py DEEPSPEED_OPTIMIZERS, lr_schedules.py
@@ -137,6 +137,7 @@ class KeySpec:
     auto_from: the ``resolve(...)`` argument that fills ``"auto"`` here (transformers' table);
         None means "auto" is not accepted for this key.
     scheduler_types: for ``scheduler.params.*``, the scheduler types that take this parameter.
+    optimizer_types: for ``optimizer.params.*``, the optimizer types that take this parameter.
     when_on: for the docs, which values count as ON for a not_implemented key.
     """
 
@@ -153,6 +154,7 @@ class KeySpec:
     aliases: tuple[str, ...] = ()
     auto_from: str | None = None
     scheduler_types: tuple[str, ...] = ()
+    optimizer_types: tuple[str, ...] = ()
     when_on: str = ""
 
     @property
@@ -293,6 +295,9 @@ _BF16_ONLY = "bf16.enabled"
 _W = ("WarmupLR", "WarmupDecayLR")
 _WC = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 _DC = ("WarmupDecayLR", "WarmupCosineLR")
+_OPT_ADAM = ("Adam", "AdamW")
+_OPT_MUON = ("Muon",)
+_OPT_ALL = _OPT_ADAM + _OPT_MUON
 _ALL_SCHED = DEEPSPEED_SCHEDULERS
 
 
@@ -432,24 +437,28 @@ _SPECS: list[KeySpec] = [
     KeySpec("torch_autocast.lower_precision_safe_modules", StrList(), None, "Modules allowed in lower precision.", NO_EFFECT, "only read when torch_autocast.enabled is true", nullable=True),
     # -- optimizer (runtime/config.py, ops/adam/fused_adam.py) --
     KeySpec("optimizer", Section(), None, "The optimizer hf_zero builds; absent means the Trainer's / user's optimizer.", nullable=True),
-    KeySpec("optimizer.type", Str(), MISSING, 'Optimizer class: "Adam" or "AdamW" (case-insensitive).', when_on="types other than Adam / AdamW"),
+    KeySpec("optimizer.type", Str(), MISSING, 'Optimizer class: "Adam", "AdamW" or "Muon" (case-insensitive; Muon steps hidden 2-D weights, AdamW the rest).', when_on="types other than Adam / AdamW / Muon"),
     KeySpec("optimizer.params", Section(), {}, "Optimizer arguments."),
     KeySpec("optimizer.legacy_fusion", Bool(), False, "Older fp16 fused-optimizer switch.", NO_EFFECT, "an implementation choice; the math is unchanged"),
-    KeySpec("optimizer.params.lr", Float(), 1e-3, "Learning rate.", check=at_least(0), auto_from="lr"),
-    KeySpec("optimizer.params.betas", Betas(), [0.9, 0.999], "Adam betas (beta1, beta2), each in [0, 1).", auto_from="betas"),
-    KeySpec("optimizer.params.eps", Float(), 1e-8, "Adam epsilon.", check=above(0), auto_from="eps"),
-    KeySpec("optimizer.params.weight_decay", Float(), 0.0, "Weight decay (decoupled for AdamW and for Adam with adam_w_mode).", check=at_least(0), auto_from="weight_decay"),
-    KeySpec("optimizer.params.adam_w_mode", Bool(), True, "Decoupled (AdamW) weight decay for type Adam (type AdamW is always decoupled); DeepSpeed defaults it to true, so its Adam is AdamW."),
-    KeySpec("optimizer.params.torch_adam", Bool(), False, "Use torch.optim.Adam/AdamW instead of the fused kernel.", NO_EFFECT, "hf_zero's fused Adam computes the same update as torch's"),
-    KeySpec("optimizer.params.bias_correction", Bool(), True, "Adam bias correction.", NOT_IMPLEMENTED, "Adam without bias correction", when_on="false"),
-    KeySpec("optimizer.params.amsgrad", Bool(), False, "AMSGrad variant.", NOT_IMPLEMENTED, "AMSGrad", when_on="true"),
-    KeySpec("optimizer.params.maximize", Bool(), False, "Maximise instead of minimise (torch_adam).", NOT_IMPLEMENTED, "maximize", when_on="true"),
-    KeySpec("optimizer.params.differentiable", Bool(), False, "Autograd through the step (torch_adam).", NOT_IMPLEMENTED, "a differentiable optimizer step", when_on="true"),
-    KeySpec("optimizer.params.fp32_optimizer_states", Bool(), True, "DeepSpeed CPU Adam: keep states in fp32.", NOT_IMPLEMENTED, "16-bit optimizer states; hf_zero's are fp32", when_on="false"),
-    KeySpec("optimizer.params.set_grad_none", Bool(), True, "FusedAdam: set gradients to None in zero_grad.", NO_EFFECT, "hf_zero owns the gradient buffers"),
-    KeySpec("optimizer.params.foreach", Anything(), None, "torch_adam implementation switch.", NO_EFFECT, "an implementation choice; the math is unchanged", nullable=True),
-    KeySpec("optimizer.params.fused", Anything(), None, "torch_adam implementation switch.", NO_EFFECT, "an implementation choice; the math is unchanged", nullable=True),
-    KeySpec("optimizer.params.capturable", Bool(), False, "torch_adam CUDA-graph capturable step.", NO_EFFECT, "an implementation choice; the math is unchanged"),
+    KeySpec("optimizer.params.lr", Float(), 1e-3, "Learning rate (for Muon: of the hidden 2-D weights).", check=at_least(0), auto_from="lr", optimizer_types=_OPT_ALL),
+    KeySpec("optimizer.params.betas", Betas(), [0.9, 0.999], "Adam betas (beta1, beta2), each in [0, 1) (for Muon: the auxiliary AdamW's).", auto_from="betas", optimizer_types=_OPT_ALL),
+    KeySpec("optimizer.params.eps", Float(), 1e-8, "Adam epsilon (for Muon: the auxiliary AdamW's).", check=above(0), auto_from="eps", optimizer_types=_OPT_ALL),
+    KeySpec("optimizer.params.weight_decay", Float(), 0.0, "Weight decay (decoupled for AdamW, for Adam with adam_w_mode, and for both parts of Muon).", check=at_least(0), auto_from="weight_decay", optimizer_types=_OPT_ALL),
+    KeySpec("optimizer.params.adam_w_mode", Bool(), True, "Decoupled (AdamW) weight decay for type Adam (type AdamW is always decoupled); DeepSpeed defaults it to true, so its Adam is AdamW.", optimizer_types=_OPT_ADAM),
+    KeySpec("optimizer.params.torch_adam", Bool(), False, "Use torch.optim.Adam/AdamW instead of the fused kernel.", NO_EFFECT, "hf_zero's fused Adam computes the same update as torch's", optimizer_types=_OPT_ADAM),
+    KeySpec("optimizer.params.bias_correction", Bool(), True, "Adam bias correction.", NOT_IMPLEMENTED, "Adam without bias correction", when_on="false", optimizer_types=_OPT_ADAM),
+    KeySpec("optimizer.params.amsgrad", Bool(), False, "AMSGrad variant.", NOT_IMPLEMENTED, "AMSGrad", when_on="true", optimizer_types=_OPT_ADAM),
+    KeySpec("optimizer.params.maximize", Bool(), False, "Maximise instead of minimise (torch_adam).", NOT_IMPLEMENTED, "maximize", when_on="true", optimizer_types=_OPT_ADAM),
+    KeySpec("optimizer.params.differentiable", Bool(), False, "Autograd through the step (torch_adam).", NOT_IMPLEMENTED, "a differentiable optimizer step", when_on="true", optimizer_types=_OPT_ADAM),
+    KeySpec("optimizer.params.fp32_optimizer_states", Bool(), True, "DeepSpeed CPU Adam: keep states in fp32.", NOT_IMPLEMENTED, "16-bit optimizer states; hf_zero's are fp32", when_on="false", optimizer_types=_OPT_ADAM),
+    KeySpec("optimizer.params.set_grad_none", Bool(), True, "FusedAdam: set gradients to None in zero_grad.", NO_EFFECT, "hf_zero owns the gradient buffers", optimizer_types=_OPT_ADAM),
+    KeySpec("optimizer.params.foreach", Anything(), None, "torch_adam implementation switch.", NO_EFFECT, "an implementation choice; the math is unchanged", nullable=True, optimizer_types=_OPT_ADAM),
+    KeySpec("optimizer.params.fused", Anything(), None, "torch_adam implementation switch.", NO_EFFECT, "an implementation choice; the math is unchanged", nullable=True, optimizer_types=_OPT_ADAM),
+    KeySpec("optimizer.params.capturable", Bool(), False, "torch_adam CUDA-graph capturable step.", NO_EFFECT, "an implementation choice; the math is unchanged", optimizer_types=_OPT_ADAM),
+    KeySpec("optimizer.params.momentum", Float(), 0.95, "Muon momentum.", check=at_least(0), optimizer_types=_OPT_MUON),
+    KeySpec("optimizer.params.nesterov", Bool(), True, "Muon: Nesterov momentum.", optimizer_types=_OPT_MUON),
+    KeySpec("optimizer.params.ns_steps", Int(), 5, "Muon: Newton-Schulz iterations.", check=at_least(1), optimizer_types=_OPT_MUON),
+    KeySpec("optimizer.params.adam_lr", Float(), None, "Muon: learning rate of the auxiliary AdamW (embeddings, output projection, biases, norms); null means lr.", nullable=True, check=at_least(0), optimizer_types=_OPT_MUON),
     # -- scheduler (runtime/lr_schedules.py) --
     KeySpec("scheduler", Section(), None, "The LR scheduler hf_zero builds; absent means the Trainer's / user's scheduler.", nullable=True),
     KeySpec("scheduler.type", Str(), MISSING, '"WarmupLR", "WarmupDecayLR" or "WarmupCosineLR".', when_on="OneCycle, LRRangeTest, torch schedulers"),

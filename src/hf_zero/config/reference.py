@@ -33,7 +33,7 @@ def _default_text(value: Any) -> str:
 
 def _status_text(spec: KeySpec) -> str:
     if spec.path == "optimizer.type":
-        return "implemented for Adam, AdamW; not_implemented for other types"
+        return "implemented for Adam, AdamW, Muon; not_implemented for other types"
     if spec.path == "scheduler.type":
         return "implemented for WarmupLR, WarmupDecayLR, WarmupCosineLR; not_implemented for other types"
     if spec.path == "data_types.grad_accum_dtype":
@@ -69,6 +69,8 @@ def _row(spec: KeySpec) -> str:
         notes += f' "auto": {filled}.'
     if spec.scheduler_types:
         notes += f" Scheduler types: {', '.join(spec.scheduler_types)}."
+    if spec.optimizer_types:
+        notes += f" Optimizer types: {', '.join(spec.optimizer_types)}."
     cells = [key, _kind_text(spec), _default_text(spec.default), _status_text(spec), notes]
     return "| " + " | ".join(_cell(c) for c in cells) + " |"
 

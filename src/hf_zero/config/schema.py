@@ -257,10 +257,10 @@ class Bf16Config(_Typed):
 
 @dataclass(frozen=True, repr=False, eq=False)
 class OptimizerConfig(_Typed):
-    """``optimizer`` with an implemented type (Adam / AdamW)."""
+    """``optimizer`` with an implemented type (Adam / AdamW / Muon)."""
 
     type: str
-    """"Adam" or "AdamW", canonicalised from any casing (DeepSpeed lower-cases it)."""
+    """"Adam", "AdamW" or "Muon", canonicalised from any casing (DeepSpeed lower-cases it)."""
     lr: float
     """Learning rate. Default 1e-3."""
     betas: tuple[float, float]
@@ -274,6 +274,14 @@ class OptimizerConfig(_Typed):
     AdamW unless this is false. Default True."""
     torch_adam: bool
     """DeepSpeed: use torch.optim instead of its fused kernel; same update. Default False."""
+    momentum: float
+    """Muon momentum. Default 0.95."""
+    nesterov: bool
+    """Muon: Nesterov momentum. Default True."""
+    ns_steps: int
+    """Muon: Newton-Schulz iterations. Default 5."""
+    adam_lr: float | None
+    """Muon: the auxiliary AdamW's learning rate; None means ``lr``. Default None."""
 
     @property
     def decoupled_weight_decay(self) -> bool:

@@ -102,10 +102,6 @@ def canonical_optimizer(name: Any) -> str | None:
     return {n.lower(): n for n in DEEPSPEED_OPTIMIZERS}.get(name.lower())
 
 
-def _optimizer_is_adam(root: dict[str, Any]) -> bool:
-    return canonical_optimizer(get_path(root, "optimizer.type", None)) in IMPLEMENTED_OPTIMIZERS
-
-
 # ---- aliases --------------------------------------------------------------------------------
 
 
@@ -140,8 +136,11 @@ def _normalise_aliases(section: dict[str, Any], path: str, problems: ProblemList
 def _known_children(section_path: str, root: dict[str, Any]) -> dict[str, KeySpec] | None:
     """Keys allowed in a section; None when the section is passed through unread."""
     children = children_of(section_path)
-    if section_path == "optimizer.params" and not _optimizer_is_adam(root):
-        return None  # another optimizer type: already an error on optimizer.type
+    if section_path == "optimizer.params":
+        kind = canonical_optimizer(get_path(root, "optimizer.type", None))
+        if kind not in IMPLEMENTED_OPTIMIZERS:
+            return None  # another optimizer type: already an error on optimizer.type
+        return {n: s for n, s in children.items() if kind in s.optimizer_types}
     if section_path == "scheduler.params":
         kind = get_path(root, "scheduler.type", None)
         if kind not in DEEPSPEED_SCHEDULERS:
@@ -354,11 +353,11 @@ def _check_optimizer(root: dict[str, Any], problems: ProblemList) -> None:
         return
     if canonical is not None or _is_torch_class(torch.optim, name):
         rule = f"{NOT_IMPLEMENTED_RULE} (the {canonical or name} optimizer)"
-        fix = 'use "AdamW" or "Adam", or remove the optimizer section and pass your own optimizer'
+        fix = 'use "AdamW", "Adam" or "Muon", or remove the optimizer section and pass your own optimizer'
         problems.add("optimizer.type", name, rule, fix)
     else:
         guess = closest(name.lower(), [n.lower() for n in DEEPSPEED_OPTIMIZERS])
-        fix = f"did you mean '{canonical_optimizer(guess)}'?" if guess else 'use "AdamW" or "Adam"'
+        fix = f"did you mean '{canonical_optimizer(guess)}'?" if guess else 'use "AdamW", "Adam" or "Muon"'
         problems.add("optimizer.type", name, "unknown optimizer type", fix)
     params = optimizer.get("params")
     rejected = "optimizer.params.max_grad_norm"

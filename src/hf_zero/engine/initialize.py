@@ -17,6 +17,7 @@ from hf_zero.engine.deferred_load import disarm_materialisation, find_source, in
 from hf_zero.engine.engine import ZeroEngine
 from hf_zero.engine.host_memory import pin_mmap_threshold
 from hf_zero.engine.loss_scaler import build_loss_scaler
+from hf_zero.engine.muon import MuonWithAuxAdamW, muon_param_groups
 from hf_zero.engine.optimizer import ZeroAdam, ZeroOptimizer
 from hf_zero.engine.optimizer_kinds import OptimizerKind, check_flat_shard_optimizer
 from hf_zero.engine.whole_param_step import WholeParamStep
@@ -92,6 +93,47 @@ def _rebuild_torch_optimizer(
     )
     torch.optim.Optimizer.__init__(rebuilt, shard_groups, optimizer.defaults)
     return rebuilt
+
+
+def _config_muon(config: HfZeroConfig, optimizer: OptimizerArg, model_parameters: Iterable[Any] | None) -> bool:
+    """True when the config's optimizer section asks for Muon (and nothing contradicts it)."""
+    if config.optimizer is None or config.optimizer.type != "Muon":
+        return False
+    if optimizer is not None:
+        raise ValueError(
+            "an optimizer was passed to hf_zero.initialize and the config has an \"optimizer\" "
+            "section too; remove one of them")
+    if model_parameters is not None:
+        raise ValueError(
+            "the config's Muon optimizer makes its own two param groups (hidden 2-D weights on Muon, "
+            "the rest on AdamW; see docs/optimizers.md); remove model_parameters, or pass your own "
+            "optimizer built on them and no \"optimizer\" section")
+    return True
+
+
+def _check_muon_covers_matrices_only(optimizer: OptimizerArg, model: nn.Module) -> None:
+    """torch.optim.Muon steps 2-D weights only, and hf_zero steps every trainable parameter in
+    the passed optimizer (one it does not list joins its first group): refuse it before any step
+    when the model trains anything else."""
+    if type(optimizer) is not getattr(torch.optim, "Muon", None):
+        return
+    others = [name for name, p in model.named_parameters() if p.requires_grad and p.ndim != 2]
+    if others:
+        raise ValueError(
+            f"torch.optim.Muon steps 2-D weights only, and the model trains {len(others)} other "
+            f"parameter(s) ({', '.join(others[:3])}{', ...' if len(others) > 3 else ''}); use the config's "
+            "\"optimizer\": {\"type\": \"Muon\"} (Muon for hidden 2-D weights, AdamW for the rest), or pass "
+            "hf_zero.engine.muon.MuonWithAuxAdamW(muon_param_groups(model, muon_hyper, adamw_hyper)) "
+            "(see docs/optimizers.md)")
+
+
+def _config_muon_groups(config: HfZeroConfig, model: nn.Module) -> list[dict[str, Any]]:
+    opt = config.optimizer
+    muon = dict(lr=opt.lr, weight_decay=opt.weight_decay, momentum=opt.momentum, nesterov=opt.nesterov,
+                ns_steps=opt.ns_steps)
+    adamw = dict(lr=opt.lr if opt.adam_lr is None else opt.adam_lr, weight_decay=opt.weight_decay,
+                 betas=tuple(opt.betas), eps=opt.eps)
+    return muon_param_groups(model, muon, adamw)
 
 
 def _build_inner_optimizer(
@@ -189,6 +231,10 @@ def initialize(
             if isinstance(optimizer, torch.optim.Optimizer):  # before any sharding: [Note: element-wise optimizers]
                 optimizer_kind = check_flat_shard_optimizer(type(optimizer), resolved.zero_allow_untested_optimizer,
                                                             resolved.stage)
+            _check_muon_covers_matrices_only(optimizer, model)
+            if _config_muon(resolved, optimizer, model_parameters):
+                optimizer_kind = OptimizerKind.WHOLE_PARAM
+                model_parameters = _config_muon_groups(resolved, model)
             param_group_of, hyper = _param_group_index(model, optimizer, model_parameters)
             plan = plan_units(model, resolved.zero.wrap_modules)
             prints = fingerprint(resolved.to_dict(), hyper, plan.units)
@@ -210,6 +256,8 @@ def initialize(
     _place_buffers(model, device, comm, source)
     _keep_adapters_gathered(model)
     if source is not None:  # adapters made on the meta device are new Parameter objects now
+        if _config_muon(resolved, optimizer, None):
+            model_parameters = _config_muon_groups(resolved, model)
         param_group_of, hyper = _param_group_index(model, optimizer, model_parameters)
         plan = plan_units(model, resolved.zero.wrap_modules)
     threshold = int(resolved.zero.stage3_param_persistence_threshold) if resolved.stage == 3 else 0
@@ -247,7 +295,11 @@ def initialize(
     whole_params = None
     if optimizer_kind is OptimizerKind.WHOLE_PARAM and trainable:  # see [Note: whole-parameter step]
         whole_params = WholeParamStep(trainable, comm, hyper, device)
-        inner = whole_params.inner = _rebuild_torch_optimizer(optimizer, whole_params.param_groups)
+        if optimizer is None or isinstance(optimizer, MuonWithAuxAdamW):  # [Note: Muon with auxiliary AdamW]
+            inner = MuonWithAuxAdamW(whole_params.param_groups)
+        else:
+            inner = _rebuild_torch_optimizer(optimizer, whole_params.param_groups)
+        whole_params.inner = inner
     else:
         inner = _build_inner_optimizer(resolved, optimizer, shard_groups) if trainable else None
     zero_optimizer = None
