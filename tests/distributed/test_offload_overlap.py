@@ -11,7 +11,6 @@ import tempfile
 from typing import Any
 
 import pytest
-import torch
 
 from tests.distributed import scenarios as S
 from tests.distributed.launch import run_distributed

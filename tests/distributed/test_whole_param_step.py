@@ -1,6 +1,6 @@
 """Shape-aware optimizers stepped whole by owner ranks ([Note: whole-parameter step]) match the
 same optimizer in one process on the same global batch, at stages 1-3 and with CPU offload:
-torch.optim.Adafactor passed in, and Muon for the hidden 2-D weights with AdamW for the rest
+torch.optim.Adafactor passed in or from the config's "optimizer" section, and Muon for the hidden 2-D weights with AdamW for the rest
 (the config's "optimizer": {"type": "Muon"}, or hf_zero's MuonWithAuxAdamW passed in) against
 torch.optim.Muon plus torch.optim.AdamW."""
 
@@ -17,7 +17,7 @@ from tests.distributed import scenarios as S
 from tests.distributed.launch import run_distributed
 from tests.tiny_models import batch_for_step
 
-LR = 1e-2
+LR = 2e-2  # not torch.optim.Adafactor's default (1e-2), so a config lr that is not passed on shows
 STEPS = 3
 CONFIGS = {"s1": (1, {}), "s2": (2, {}), "s3": (3, {}),
            "s2_offload": (2, {"offload_optimizer": {"device": "cpu"}}),
@@ -28,18 +28,25 @@ def _train_all(world: int) -> dict[str, Any]:
     import hf_zero
 
     results = {}
-    for name, (stage, zero) in CONFIGS.items():
+    runs = [(name, stage, zero, "passed") for name, (stage, zero) in CONFIGS.items()] + [("s2_config", 2, {}, "config")]
+    for name, stage, zero, how in runs:
         sc = S.scenario("gpt2", stage, optimizer="none", zero=zero, steps=STEPS)
         model = S.build_model(sc)
-        engine, optimizer, _, _ = hf_zero.initialize(
-            model=model, config=S.make_config(sc), optimizer=torch.optim.Adafactor(model.parameters(), lr=LR))
+        config = S.make_config(sc)
+        if how == "config":  # the other keys' defaults are torch.optim.Adafactor's
+            config["optimizer"] = {"type": "Adafactor", "params": {"lr": LR}}
+            passed = None
+        else:
+            passed = torch.optim.Adafactor(model.parameters(), lr=LR)
+        engine, optimizer, _, _ = hf_zero.initialize(model=model, config=config, optimizer=passed)
         for step in range(STEPS):
             batch = batch_for_step(step, world * sc["micro"])
             start = engine.rank * sc["micro"]
             engine.backward(S.model_loss(engine, "gpt2", batch[start:start + sc["micro"]]))
             engine.step()
         owned = sum(p.numel() for g in optimizer.param_groups for p in g["params"])
-        results[name] = {"params": S.full_params(engine), "owned_numel": owned}
+        results[name] = {"params": S.full_params(engine), "owned_numel": owned,
+                         "fp32_master_bytes": engine.memory_report()["fp32_master"]}
     return results
 
 
@@ -63,7 +70,7 @@ def test_adafactor_matches_one_process_at_every_stage_and_with_offload(world):
     moved = max((reference[n] - start[n]).abs().max().item() for n in reference)
     assert moved > 1e-3  # the signal is far above the tolerance
     total = sum(v.numel() for v in reference.values())
-    for name in CONFIGS:
+    for name in [*CONFIGS, "s2_config"]:
         got = ranks[0][name]["params"]
         assert got.keys() == reference.keys()
         diff = max((torch.tensor(got[n]) - reference[n]).abs().max().item() for n in reference)
@@ -72,6 +79,10 @@ def test_adafactor_matches_one_process_at_every_stage_and_with_offload(world):
             assert rank[name]["params"] == got
         # Each parameter's master lives on exactly one rank.
         assert sum(rank[name]["owned_numel"] for rank in ranks) == total
+        # memory_report counts those masters, on the device: in fp32 the flat master is the
+        # compute shard (counted as compute_params) or, offloaded, on the host, so the device's
+        # fp32 masters are exactly the owners' full-shape copies.
+        assert sum(rank[name]["fp32_master_bytes"] for rank in ranks) == 4 * total, name
 
 
 def test_owners_balance_elements_largest_first():

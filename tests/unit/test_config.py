@@ -15,7 +15,6 @@ import torch
 
 from hf_zero.config import HfZeroConfig, HfZeroConfigError
 from hf_zero.config import hf_zero_config
-from hf_zero.config import keys as config_keys
 
 # transformers tests/deepspeed/ds_config_zero2.json (the "auto" template from the docs).
 DS_ZERO2 = """{

@@ -38,7 +38,7 @@ def _all_defaults(scheduler: str, optimizer: str = "AdamW") -> dict[str, Any]:
     return config
 
 
-@pytest.mark.parametrize("optimizer", ["AdamW", "Muon"])
+@pytest.mark.parametrize("optimizer", ["AdamW", "Muon", "Adafactor"])
 @pytest.mark.parametrize("scheduler", ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"])
 def test_every_key_at_its_default_loads(scheduler: str, optimizer: str) -> None:
     """The RULE: an unimplemented key is only an error when it turns its feature on."""

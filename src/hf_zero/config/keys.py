@@ -79,7 +79,7 @@ OFFLOAD_DEVICES_NOT_IMPLEMENTED: tuple[str, ...] = ()
 
 # Optimizer / scheduler types hf_zero runs (DeepSpeed's spelling; optimizer types match
 # case-insensitively, as DeepSpeed lower-cases them).
-IMPLEMENTED_OPTIMIZERS: tuple[str, ...] = ("Adam", "AdamW", "Muon")
+IMPLEMENTED_OPTIMIZERS: tuple[str, ...] = ("Adam", "AdamW", "Muon", "Adafactor")
 IMPLEMENTED_SCHEDULERS: tuple[str, ...] = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 
 # What DeepSpeed itself accepts (runtime/config.py DEEPSPEED_OPTIMIZERS, lr_schedules.py
@@ -184,6 +184,14 @@ def at_least(low: float) -> RangeCheck:
     def check(value: Any) -> tuple[str, str] | None:
         ok = all(v >= low for v in _each(value))
         return None if ok else (f"must be >= {low}", f"write {low} or more")
+
+    return check
+
+
+def at_most(high: float) -> RangeCheck:
+    def check(value: Any) -> tuple[str, str] | None:
+        ok = all(v <= high for v in _each(value))
+        return None if ok else (f"must be <= {high}", f"write {high} or less")
 
     return check
 
@@ -297,7 +305,8 @@ _WC = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 _DC = ("WarmupDecayLR", "WarmupCosineLR")
 _OPT_ADAM = ("Adam", "AdamW")
 _OPT_MUON = ("Muon",)
-_OPT_ALL = _OPT_ADAM + _OPT_MUON
+_OPT_ADAFACTOR = ("Adafactor",)
+_OPT_ALL = _OPT_ADAM + _OPT_MUON + _OPT_ADAFACTOR
 _ALL_SCHED = DEEPSPEED_SCHEDULERS
 
 
@@ -437,12 +446,12 @@ _SPECS: list[KeySpec] = [
     KeySpec("torch_autocast.lower_precision_safe_modules", StrList(), None, "Modules allowed in lower precision.", NO_EFFECT, "only read when torch_autocast.enabled is true", nullable=True),
     # -- optimizer (runtime/config.py, ops/adam/fused_adam.py) --
     KeySpec("optimizer", Section(), None, "The optimizer hf_zero builds; absent means the Trainer's / user's optimizer.", nullable=True),
-    KeySpec("optimizer.type", Str(), MISSING, 'Optimizer class: "Adam", "AdamW" or "Muon" (case-insensitive; Muon steps hidden 2-D weights, AdamW the rest).', when_on="types other than Adam / AdamW / Muon"),
+    KeySpec("optimizer.type", Str(), MISSING, 'Optimizer class: "Adam", "AdamW", "Muon" or "Adafactor" (case-insensitive; Muon steps hidden 2-D weights, AdamW the rest).', when_on="types other than Adam / AdamW / Muon / Adafactor"),
     KeySpec("optimizer.params", Section(), {}, "Optimizer arguments."),
     KeySpec("optimizer.legacy_fusion", Bool(), False, "Older fp16 fused-optimizer switch.", NO_EFFECT, "an implementation choice; the math is unchanged"),
     KeySpec("optimizer.params.lr", Float(), 1e-3, "Learning rate (for Muon: of the hidden 2-D weights).", check=at_least(0), auto_from="lr", optimizer_types=_OPT_ALL),
-    KeySpec("optimizer.params.betas", Betas(), [0.9, 0.999], "Adam betas (beta1, beta2), each in [0, 1) (for Muon: the auxiliary AdamW's).", auto_from="betas", optimizer_types=_OPT_ALL),
-    KeySpec("optimizer.params.eps", Float(), 1e-8, "Adam epsilon (for Muon: the auxiliary AdamW's).", check=above(0), auto_from="eps", optimizer_types=_OPT_ALL),
+    KeySpec("optimizer.params.betas", Betas(), [0.9, 0.999], "Adam betas (beta1, beta2), each in [0, 1) (for Muon: the auxiliary AdamW's).", auto_from="betas", optimizer_types=_OPT_ADAM + _OPT_MUON),
+    KeySpec("optimizer.params.eps", Float(), 1e-8, "Adam epsilon (for Muon: the auxiliary AdamW's).", check=above(0), auto_from="eps", optimizer_types=_OPT_ADAM + _OPT_MUON),
     KeySpec("optimizer.params.weight_decay", Float(), 0.0, "Weight decay (decoupled for AdamW, for Adam with adam_w_mode, and for both parts of Muon).", check=at_least(0), auto_from="weight_decay", optimizer_types=_OPT_ALL),
     KeySpec("optimizer.params.adam_w_mode", Bool(), True, "Decoupled (AdamW) weight decay for type Adam (type AdamW is always decoupled); DeepSpeed defaults it to true, so its Adam is AdamW.", optimizer_types=_OPT_ADAM),
     KeySpec("optimizer.params.torch_adam", Bool(), False, "Use torch.optim.Adam/AdamW instead of the fused kernel.", NO_EFFECT, "hf_zero's fused Adam computes the same update as torch's", optimizer_types=_OPT_ADAM),
@@ -459,6 +468,8 @@ _SPECS: list[KeySpec] = [
     KeySpec("optimizer.params.nesterov", Bool(), True, "Muon: Nesterov momentum.", optimizer_types=_OPT_MUON),
     KeySpec("optimizer.params.ns_steps", Int(), 5, "Muon: Newton-Schulz iterations.", check=at_least(1), optimizer_types=_OPT_MUON),
     KeySpec("optimizer.params.adam_lr", Float(), None, "Muon: learning rate of the auxiliary AdamW (embeddings, output projection, biases, norms); null means lr.", nullable=True, check=at_least(0), optimizer_types=_OPT_MUON),
+    KeySpec("optimizer.params.beta2_decay", Float(), -0.8, "Adafactor: decay rate of the second moment (torch.optim.Adafactor's beta2_decay).", check=at_most(0), optimizer_types=_OPT_ADAFACTOR),
+    KeySpec("optimizer.params.d", Float(), 1.0, "Adafactor: update clipping threshold.", check=above(0), optimizer_types=_OPT_ADAFACTOR),
     # -- scheduler (runtime/lr_schedules.py) --
     KeySpec("scheduler", Section(), None, "The LR scheduler hf_zero builds; absent means the Trainer's / user's scheduler.", nullable=True),
     KeySpec("scheduler.type", Str(), MISSING, '"WarmupLR", "WarmupDecayLR" or "WarmupCosineLR".', when_on="OneCycle, LRRangeTest, torch schedulers"),

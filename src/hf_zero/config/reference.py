@@ -33,7 +33,7 @@ def _default_text(value: Any) -> str:
 
 def _status_text(spec: KeySpec) -> str:
     if spec.path == "optimizer.type":
-        return "implemented for Adam, AdamW, Muon; not_implemented for other types"
+        return "implemented for Adam, AdamW, Muon, Adafactor; not_implemented for other types"
     if spec.path == "scheduler.type":
         return "implemented for WarmupLR, WarmupDecayLR, WarmupCosineLR; not_implemented for other types"
     if spec.path == "data_types.grad_accum_dtype":

@@ -257,10 +257,10 @@ class Bf16Config(_Typed):
 
 @dataclass(frozen=True, repr=False, eq=False)
 class OptimizerConfig(_Typed):
-    """``optimizer`` with an implemented type (Adam / AdamW / Muon)."""
+    """``optimizer`` with an implemented type (Adam / AdamW / Muon / Adafactor)."""
 
     type: str
-    """"Adam", "AdamW" or "Muon", canonicalised from any casing (DeepSpeed lower-cases it)."""
+    """"Adam", "AdamW", "Muon" or "Adafactor", canonicalised from any casing (DeepSpeed lower-cases it)."""
     lr: float
     """Learning rate. Default 1e-3."""
     betas: tuple[float, float]
@@ -282,6 +282,10 @@ class OptimizerConfig(_Typed):
     """Muon: Newton-Schulz iterations. Default 5."""
     adam_lr: float | None
     """Muon: the auxiliary AdamW's learning rate; None means ``lr``. Default None."""
+    beta2_decay: float
+    """Adafactor: decay rate of the second moment. Default -0.8."""
+    d: float
+    """Adafactor: update clipping threshold. Default 1.0."""
 
     @property
     def decoupled_weight_decay(self) -> bool:

@@ -99,7 +99,7 @@ def canonical_optimizer(name: Any) -> str | None:
     """DeepSpeed lower-cases optimizer types; map any casing to its canonical spelling."""
     if not isinstance(name, str):
         return None
-    return {n.lower(): n for n in DEEPSPEED_OPTIMIZERS}.get(name.lower())
+    return {n.lower(): n for n in DEEPSPEED_OPTIMIZERS + IMPLEMENTED_OPTIMIZERS}.get(name.lower())
 
 
 # ---- aliases --------------------------------------------------------------------------------
@@ -353,11 +353,11 @@ def _check_optimizer(root: dict[str, Any], problems: ProblemList) -> None:
         return
     if canonical is not None or _is_torch_class(torch.optim, name):
         rule = f"{NOT_IMPLEMENTED_RULE} (the {canonical or name} optimizer)"
-        fix = 'use "AdamW", "Adam" or "Muon", or remove the optimizer section and pass your own optimizer'
+        fix = 'use "AdamW", "Adam", "Muon" or "Adafactor", or remove the optimizer section and pass your own optimizer'
         problems.add("optimizer.type", name, rule, fix)
     else:
         guess = closest(name.lower(), [n.lower() for n in DEEPSPEED_OPTIMIZERS])
-        fix = f"did you mean '{canonical_optimizer(guess)}'?" if guess else 'use "AdamW", "Adam" or "Muon"'
+        fix = f"did you mean '{canonical_optimizer(guess)}'?" if guess else 'use "AdamW", "Adam", "Muon" or "Adafactor"'
         problems.add("optimizer.type", name, "unknown optimizer type", fix)
     params = optimizer.get("params")
     rejected = "optimizer.params.max_grad_norm"

@@ -95,20 +95,32 @@ def _rebuild_torch_optimizer(
     return rebuilt
 
 
-def _config_muon(config: HfZeroConfig, optimizer: OptimizerArg, model_parameters: Iterable[Any] | None) -> bool:
-    """True when the config's optimizer section asks for Muon (and nothing contradicts it)."""
-    if config.optimizer is None or config.optimizer.type != "Muon":
+# Config optimizer types that hf_zero steps whole ([Note: whole-parameter step]).
+CONFIG_WHOLE_PARAM_TYPES = ("Muon", "Adafactor")
+
+
+def _config_whole_param(config: HfZeroConfig, optimizer: OptimizerArg, model_parameters: Iterable[Any] | None) -> bool:
+    """True when the config's optimizer section asks for Muon or Adafactor (and nothing contradicts it)."""
+    if config.optimizer is None or config.optimizer.type not in CONFIG_WHOLE_PARAM_TYPES:
         return False
     if optimizer is not None:
         raise ValueError(
             "an optimizer was passed to hf_zero.initialize and the config has an \"optimizer\" "
             "section too; remove one of them")
-    if model_parameters is not None:
+    if config.optimizer.type == "Muon" and model_parameters is not None:
         raise ValueError(
             "the config's Muon optimizer makes its own two param groups (hidden 2-D weights on Muon, "
             "the rest on AdamW; see docs/optimizers.md); remove model_parameters, or pass your own "
             "optimizer built on them and no \"optimizer\" section")
     return True
+
+
+def _config_whole_param_optimizer(config: HfZeroConfig, param_groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+    opt = config.optimizer
+    if opt.type == "Muon":
+        return MuonWithAuxAdamW(param_groups)
+    return torch.optim.Adafactor(param_groups, lr=opt.lr, beta2_decay=opt.beta2_decay, d=opt.d,
+                                 weight_decay=opt.weight_decay)
 
 
 def _check_muon_covers_matrices_only(optimizer: OptimizerArg, model: nn.Module) -> None:
@@ -232,9 +244,10 @@ def initialize(
                 optimizer_kind = check_flat_shard_optimizer(type(optimizer), resolved.zero_allow_untested_optimizer,
                                                             resolved.stage)
             _check_muon_covers_matrices_only(optimizer, model)
-            if _config_muon(resolved, optimizer, model_parameters):
+            if _config_whole_param(resolved, optimizer, model_parameters):
                 optimizer_kind = OptimizerKind.WHOLE_PARAM
-                model_parameters = _config_muon_groups(resolved, model)
+                if resolved.optimizer.type == "Muon":
+                    model_parameters = _config_muon_groups(resolved, model)
             param_group_of, hyper = _param_group_index(model, optimizer, model_parameters)
             plan = plan_units(model, resolved.zero.wrap_modules)
             prints = fingerprint(resolved.to_dict(), hyper, plan.units)
@@ -256,7 +269,7 @@ def initialize(
     _place_buffers(model, device, comm, source)
     _keep_adapters_gathered(model)
     if source is not None:  # adapters made on the meta device are new Parameter objects now
-        if _config_muon(resolved, optimizer, None):
+        if optimizer is None and resolved.optimizer is not None and resolved.optimizer.type == "Muon":
             model_parameters = _config_muon_groups(resolved, model)
         param_group_of, hyper = _param_group_index(model, optimizer, model_parameters)
         plan = plan_units(model, resolved.zero.wrap_modules)
@@ -295,7 +308,9 @@ def initialize(
     whole_params = None
     if optimizer_kind is OptimizerKind.WHOLE_PARAM and trainable:  # see [Note: whole-parameter step]
         whole_params = WholeParamStep(trainable, comm, hyper, device)
-        if optimizer is None or isinstance(optimizer, MuonWithAuxAdamW):  # [Note: Muon with auxiliary AdamW]
+        if optimizer is None:
+            inner = _config_whole_param_optimizer(resolved, whole_params.param_groups)
+        elif isinstance(optimizer, MuonWithAuxAdamW):  # [Note: Muon with auxiliary AdamW]
             inner = MuonWithAuxAdamW(whole_params.param_groups)
         else:
             inner = _rebuild_torch_optimizer(optimizer, whole_params.param_groups)

@@ -62,6 +62,11 @@ def memory_report(units: list[Any], optimizer: Any, module: nn.Module) -> dict[s
     counter.add("gradients", (g.grad_shard for g in groups if not host[id(g)]))
     counter.add("host_fp32_master", (g.master for g in groups if host[id(g)]))
     counter.add("fp32_master", (g.master for g in groups if not host[id(g)]))
+    # A shape-aware optimizer's full-shape masters, one owner rank each ([Note: whole-parameter
+    # step]), live on the compute device whatever the offload.
+    whole = getattr(optimizer, "whole_params", None)
+    if whole is not None:
+        counter.add("fp32_master", (master for owned in whole.owned.values() for _, master in owned))
     # Step counters are 0-d tensors in torch optimizers; they are state too.
     hosted_masters = {id(g.master) for g in groups if host[id(g)] and g.master is not None}
     counter.add("host_optimizer_state", _state_tensors(optimizer, hosted_masters, True))
