@@ -281,3 +281,29 @@ def train_low_precision_reference(sc: dict[str, Any], world: int, device: str = 
             loss_scales.append(scaler.scale)
     return {"losses": losses, "grad_norms": norms, "initial": initial, "params": named_flat_params(compute),
             "loss_scales": loss_scales, "applied": applied}
+
+
+# torch.optim.Muon runs its Newton-Schulz iteration in bf16, which turns the fp32 rounding of a
+# different gradient reduction order (1e-7 relative, as any data-parallel run has, DDP
+# included) into parameter differences of 1.2e-3 after 3 steps. Parity tests swap in the
+# same iteration in fp32 on both sides (its sensitivity to that rounding: 6e-7), so 1e-5 checks
+# the distributed step itself: ownership, gathers, the update and its all-reduce.
+def fp32_newton_schulz(grad: torch.Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int,
+                        eps: float) -> torch.Tensor:
+    a, b, c = ns_coefficients
+    wide = grad.size(0) > grad.size(1)
+    x = grad.float().T if wide else grad.float()
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if wide else x
+
+
+def use_fp32_newton_schulz() -> Any:
+    """Install the fp32 iteration; returns torch's, to put back."""
+    import torch.optim._muon
+
+    torchs = torch.optim._muon._zeropower_via_newtonschulz
+    torch.optim._muon._zeropower_via_newtonschulz = fp32_newton_schulz
+    return torchs

@@ -308,6 +308,20 @@ def test_bad_nvme_path_is_an_error_before_training(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("kind", ["Muon", "Adafactor"])
+def test_nvme_optimizer_offload_with_a_shape_aware_config_optimizer_is_refused(tmp_path, kind):
+    """NVMe offload steps hf_zero's Adam tile by tile: a Muon or Adafactor section would
+    silently train with Adam."""
+    import hf_zero
+
+    config = S.make_config(S.scenario("gpt2", 2))
+    config["optimizer"] = {"type": kind, "params": {"lr": 1e-3}}
+    config["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": str(tmp_path)}
+    with pytest.raises(NotImplementedError, match=rf"the config's optimizer is {kind} .*offload_optimizer.device \"cpu\""):
+        hf_zero.initialize(model=S.build_model(S.scenario("gpt2", 2)), config=config)
+    assert os.listdir(tmp_path) == []
+
+
 def test_bad_nvme_path_for_param_offload_is_an_error_before_training(tmp_path, monkeypatch):
     import shutil
 

@@ -4,10 +4,12 @@ ones (known, declared, or let through by zero_allow_untested_optimizer) train as
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
 
+from hf_zero.checkpoint import CheckpointError
 from hf_zero.engine.optimizer_kinds import declare_elementwise
 from tests.distributed import scenarios as S
 from tests.distributed.launch import run_distributed
@@ -86,11 +88,26 @@ def test_torch_and_transformers_adafactor_are_accepted_for_the_whole_parameter_s
         assert any(p.dim() == 2 for g in optimizer.param_groups for p in g["params"])  # whole, not flat
 
 
-def test_loading_a_checkpoint_into_a_whole_parameter_step_is_refused_before_reading(no_launcher_env, tmp_path):
+def test_checkpoint_without_per_parameter_state_needs_load_optimizer_states_false(no_launcher_env, tmp_path):
+    """A whole-parameter run's checkpoint keeps the optimizer state by parameter name; one
+    without it (saved before hf_zero wrote it) is refused, naming the way out, and changes nothing."""
+    import json
+
     _, (engine, _, _, _) = _initialize(torch.optim.Adafactor)
-    engine.save_checkpoint(str(tmp_path))
-    with pytest.raises(NotImplementedError, match="with Adafactor .* is not supported yet; nothing was loaded"):
+    ckpt = engine.save_checkpoint(str(tmp_path))
+    manifest_path = tmp_path / os.path.basename(ckpt) / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    del manifest["whole_param_state"]
+    manifest_path.write_text(json.dumps(manifest))
+    with torch.no_grad():
+        for p in engine.module.parameters():
+            p.add_(1.0)
+    before = S.full_params(engine)
+    with pytest.raises(CheckpointError, match="no per-parameter optimizer state for Adafactor.*load_optimizer_states=False"):
         engine.load_checkpoint(str(tmp_path))
+    assert S.full_params(engine) == before
+    engine.load_checkpoint(str(tmp_path), load_optimizer_states=False)
+    assert S.full_params(engine) != before
 
 
 class AdamW(SignSGD):

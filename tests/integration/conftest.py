@@ -160,6 +160,26 @@ def _plan(model_dirs: dict[str, str], root: Path) -> dict[str, Any]:
         jobs.append({"name": f"resume-z{stage}-resumed", "kind": "script", "zero_config": configs[stage],
                      "argv": script_args("gpt2", model_dirs["gpt2"], out(f"resume-z{stage}-resumed"),
                                          "--resume_from_checkpoint", os.path.join(full, "checkpoint-3"))})
+    # Shape-aware optimizers ([Note: whole-parameter step]) on learnable data: the Trainer's
+    # --optim adafactor (transformers' Adafactor) against DDP, and resumed at stage 3 from a
+    # stage-2 checkpoint; the config's Muon section against MuonWithAuxAdamW under DDP.
+    adafactor = [*learnable, "--optim", "adafactor"]
+    jobs.append({"name": "gpt2-ddp-adafactor", "kind": "script",
+                 "argv": script_args("gpt2", model_dirs["gpt2"], out("gpt2-ddp-adafactor"), *adafactor)})
+    adafactor_full = out("gpt2-z2-adafactor")
+    jobs.append({"name": "gpt2-z2-adafactor", "kind": "script", "zero_config": configs[2],
+                 "argv": script_args("gpt2", model_dirs["gpt2"], adafactor_full, *adafactor,
+                                     "--save_strategy", "steps", "--save_steps", "3")})
+    jobs.append({"name": "gpt2-z3-adafactor-resumed", "kind": "script", "zero_config": configs[3],
+                 "argv": script_args("gpt2", model_dirs["gpt2"], out("gpt2-z3-adafactor-resumed"), *adafactor,
+                                     "--resume_from_checkpoint", os.path.join(adafactor_full, "checkpoint-3"))})
+    muon_adam_lr = 1e-2
+    muon_section = {"type": "Muon", "params": {"lr": "auto", "weight_decay": "auto", "adam_lr": muon_adam_lr}}
+    for name, config in (("gpt2-ddp-muon", None),
+                         ("gpt2-z3-muon", write_config(root / "zero3-muon.json", 3, optimizer=muon_section))):
+        jobs.append({"name": name, "kind": "muon", "model_dir": model_dirs["gpt2"], "zero_config": config,
+                     "adam_lr": muon_adam_lr, "train_samples": 48,
+                     "training_args": dict(explicit_args, output_dir=out(name), learning_rate=LEARNABLE_LR)})
     from tests.integration.resolution import AUTO_EXAMPLE, EXAMPLE_ARGS, EXAMPLE_HIDDEN, EXAMPLE_STEPS
 
     jobs.append({"name": "resolve-world2", "kind": "resolve", "config": AUTO_EXAMPLE,

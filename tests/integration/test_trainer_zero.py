@@ -195,6 +195,45 @@ def test_resume_from_checkpoint_reproduces_the_loss_curve(trainer_runs: dict[str
     assert resumed["eval_loss"] == full["eval_loss"]
 
 
+# Shape-aware optimizers ([Note: whole-parameter step]) on learnable data: the loss falls 0.93
+# (Adafactor) and 0.45 (Muon) in 6 steps; the order of gradient sums moves it by 4e-5 at most.
+SHAPE_AWARE_LOSS_ATOL = 2e-4
+
+
+def _tail(run: dict[str, Any], key: str) -> list[float]:
+    return [v for s, v in zip(run["step"], run[key], strict=True) if s > 3]
+
+
+def test_trainer_adafactor_matches_ddp(trainer_runs: dict[str, Any]) -> None:
+    """--optim adafactor (transformers' Adafactor) under --zero_config stage 2, against DDP."""
+    run, ddp = _job(trainer_runs, "gpt2-z2-adafactor"), _job(trainer_runs, "gpt2-ddp-adafactor")
+    adamw = _job(trainer_runs, "gpt2-ddp-learnable")
+    assert ddp["loss"][0] - ddp["loss"][-1] > 1000 * SHAPE_AWARE_LOSS_ATOL, ddp["loss"]
+    assert abs(ddp["loss"][-1] - adamw["loss"][-1]) > 100 * SHAPE_AWARE_LOSS_ATOL  # Adafactor, not AdamW, ran
+    gaps = [abs(a - b) for a, b in zip(run["loss"], ddp["loss"], strict=True)]
+    assert max(gaps) <= SHAPE_AWARE_LOSS_ATOL, (run["loss"], ddp["loss"])
+    assert _close(run["grad_norm"], ddp["grad_norm"], 10 * NORM_RTOL), (run["grad_norm"], ddp["grad_norm"])
+
+
+def test_trainer_adafactor_resumes_at_another_stage(trainer_runs: dict[str, Any]) -> None:
+    """A stage-2 Adafactor checkpoint at step 3, resumed under stage 3: steps 4-6 repeat, so
+    every owner found the optimizer state another layout saved."""
+    full, resumed = _job(trainer_runs, "gpt2-z2-adafactor"), _job(trainer_runs, "gpt2-z3-adafactor-resumed")
+    assert len(_tail(full, "loss")) == 3
+    assert _close(_tail(resumed, "loss"), _tail(full, "loss"), LOSS_RTOL), (_tail(resumed, "loss"), _tail(full, "loss"))
+    assert _close(_tail(resumed, "grad_norm"), _tail(full, "grad_norm"), NORM_RTOL)
+
+
+def test_trainer_config_muon_matches_muon_with_adamw_under_ddp(trainer_runs: dict[str, Any]) -> None:
+    """The config's Muon section ("lr": "auto") under HfZeroTrainer at stage 3, against
+    transformers' Trainer under DDP given MuonWithAuxAdamW, both with the Trainer's warm-up."""
+    run, ddp = _job(trainer_runs, "gpt2-z3-muon"), _job(trainer_runs, "gpt2-ddp-muon")
+    assert ddp["loss"][0] - ddp["loss"][-1] > 1000 * SHAPE_AWARE_LOSS_ATOL, ddp["loss"]
+    assert run["learning_rate"] == ddp["learning_rate"]
+    gaps = [abs(a - b) for a, b in zip(run["loss"], ddp["loss"], strict=True)]
+    assert max(gaps) <= SHAPE_AWARE_LOSS_ATOL, (run["loss"], ddp["loss"])
+
+
 def test_resolution_at_world_size_two(trainer_runs: dict[str, Any]) -> None:
     run = _job(trainer_runs, "resolve-world2")
     if "unavailable" in run["transformers"]:

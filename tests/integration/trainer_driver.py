@@ -11,7 +11,9 @@ jobs (a JSON plan) one after the other and every rank writes every job's result.
   ``generate`` with each rank stopping at a different length;
 - ``seq2seq``: an unmodified ``Seq2SeqTrainer`` predicting with generation under stage 3;
 - ``best``: ``load_best_model_at_end`` brings back an older checkpoint's weights;
-- ``resolve``: the "auto" resolution at world size 2, against transformers' own code.
+- ``resolve``: the "auto" resolution at world size 2, against transformers' own code;
+- ``muon``: Muon with AdamW for the rest, from the config's section under ``HfZeroTrainer`` or
+  passed to transformers' Trainer under DDP.
 
 Run through the runner, as users run a script:
 ``torchrun --standalone --nproc_per_node 2 -m hf_zero.run -m tests.integration.trainer_driver PLAN.json``
@@ -231,7 +233,49 @@ def run_resolve(job: dict[str, Any]) -> dict[str, Any]:
                                                     job["steps"])}
 
 
+def run_muon(job: dict[str, Any]) -> dict[str, Any]:
+    """Muon for the hidden 2-D weights and AdamW for the rest, on learnable data: with a
+    ``zero_config``, ``HfZeroTrainer`` and the config's Muon section; without, transformers'
+    Trainer under DDP given hf_zero's MuonWithAuxAdamW as a plain torch optimizer. Both run
+    the Newton-Schulz iteration in fp32 (see tests.distributed.scenarios.fp32_newton_schulz)."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    from hf_zero.engine.muon import MuonWithAuxAdamW, muon_param_groups
+    from tests.distributed.scenarios import use_fp32_newton_schulz
+    from tests.tiny_models import learnable_batch
+
+    rows = learnable_batch(0, job["train_samples"]).tolist()
+    train = Dataset.from_list([{"input_ids": r, "attention_mask": [1] * len(r), "labels": r} for r in rows])
+    torchs = use_fp32_newton_schulz()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(job["model_dir"])
+        if job.get("zero_config"):
+            from hf_zero.integrations.transformers import HfZeroTrainer
+
+            args = _explicit_args(job)
+            trainer = HfZeroTrainer(model=model, args=args, train_dataset=train)
+        else:
+            from hf_zero.integrations.transformers import disable
+
+            disable()
+            args = TrainingArguments(**job["training_args"])
+            muon = dict(lr=args.learning_rate, weight_decay=args.weight_decay, momentum=0.95, nesterov=True, ns_steps=5)
+            adamw = dict(lr=job["adam_lr"], weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2),
+                         eps=args.adam_epsilon)
+            optimizer = MuonWithAuxAdamW(muon_param_groups(model, muon, adamw))
+            trainer = Trainer(model=model, args=args, train_dataset=train, optimizers=(optimizer, None))
+        trainer.train()
+        trainer.save_state()
+    finally:
+        torch.optim._muon._zeropower_via_newtonschulz = torchs
+    _wait_for_main_process_files()
+    return log_history(args.output_dir)
+
+
 JOBS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "muon": run_muon,
     "script": run_script,
     "explicit": run_explicit,
     "best": run_best,

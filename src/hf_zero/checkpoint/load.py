@@ -35,6 +35,9 @@ from hf_zero.checkpoint.offloaded import (
 from hf_zero.checkpoint.reader import RankFiles
 from hf_zero.checkpoint.reshard import Piece, SavedSlot, index_saved_slots, plan_pieces
 from hf_zero.checkpoint.safetensors_io import TAG_DTYPES
+from hf_zero.checkpoint.whole_state import (
+    WholeRead, apply_whole_state, expected_tensors, plan_whole_state, whole_params_of,
+)
 
 if TYPE_CHECKING:
     from hf_zero.engine.flat_group import FlatParamGroup
@@ -60,6 +63,7 @@ class _Plan:
     groups: list[_GroupPlan]
     load_optimizer: bool
     buffers: list[tuple[str, torch.Tensor]]
+    whole_reads: list[WholeRead] = field(default_factory=list)  # see [Note: whole-parameter state in checkpoints]
     run_state: "_RunState | None" = None  # None with load_module_only
 
 
@@ -155,9 +159,12 @@ def _plan_reads(engine: EngineState, ckpt_dir: str, manifest: dict[str, Any], lo
         plans.append(_GroupPlan(group, pieces, source, keys, dtypes, scalars))
     saved_buffers = {b["name"] for b in manifest["model"].get("buffers", [])}
     buffers = [(n, b) for n, b in persistent_buffers(engine.module) if n in saved_buffers]
+    whole_reads = plan_whole_state(engine, manifest, manifest_path) if load_optimizer else []
     files = RankFiles(ckpt_dir, manifest)
     _check_files(files, manifest, plans, buffers)
-    return _Plan(ckpt_dir, manifest, files, plans, load_optimizer, buffers)
+    for index, expected in sorted(expected_tensors(whole_reads).items()):
+        files.check(index, expected)
+    return _Plan(ckpt_dir, manifest, files, plans, load_optimizer, buffers, whole_reads)
 
 
 def _check_files(files: RankFiles, manifest: dict[str, Any], plans: list[_GroupPlan],
@@ -246,6 +253,9 @@ def _load_parameters(engine: EngineState, plan: _Plan) -> None:
             group.write_compute_shard(group.master)  # the compute copy is the cast of the master
     for item in plan.groups:  # same order on every rank: these are collectives
         item.group.gather_updated_shards()
+    whole = whole_params_of(engine)
+    if whole is not None:  # the owners step from full-shape copies of the masters just written
+        whole.reload_masters()
 
 
 def _load_optimizer(engine: EngineState, plan: _Plan, hyper_groups: list[dict[str, Any]]) -> None:
@@ -271,6 +281,7 @@ def _load_optimizer(engine: EngineState, plan: _Plan, hyper_groups: list[dict[st
             moved = isinstance(value, torch.Tensor) and key != "step"
             state[key] = value.to(master.device) if moved else value
         inner.state[master] = state
+    apply_whole_state(engine, plan.whole_reads, plan.files)
 
 
 def _load_run_state(engine: EngineState, run: _RunState) -> None:

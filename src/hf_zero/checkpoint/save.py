@@ -43,6 +43,7 @@ from hf_zero.checkpoint.manifest import (
 )
 from hf_zero.checkpoint.offloaded import is_streamed, streamed_entries
 from hf_zero.checkpoint.safetensors_io import DTYPE_TAGS, TensorEntry, fsync_dir, write_safetensors
+from hf_zero.checkpoint.whole_state import MANIFEST_KEY, merge_records, whole_params_of, whole_state_entries
 
 if TYPE_CHECKING:
     from hf_zero.engine.flat_group import FlatParamGroup
@@ -57,6 +58,9 @@ class _Prepared:
     entries: list[TensorEntry] = field(default_factory=list)
     manifest: dict[str, Any] = field(default_factory=dict)
     data_world_size: int = 1
+    # This rank's part of the manifest's whole_param_state (see [Note: whole-parameter state in
+    # checkpoints]): rank 0 writes the manifest, so every rank sends it in the first exchange.
+    whole_state: dict[str, Any] | None = None
 
 
 def default_tag(engine: EngineState) -> str:
@@ -138,6 +142,8 @@ def _prepare(engine: EngineState, tag: str, client_state: Any) -> _Prepared:
     check_plain_json(client_state)
     entries, records = _group_records(engine)
     data_world = records[0]["world_size"] if records else 1  # 1 under stage 0: one copy is enough
+    whole_entries, whole_record = whole_state_entries(engine)
+    entries += whole_entries
     if engine.rank == 0:
         entries += [_entry(BUFFER_PREFIX + name, buf) for name, buf in persistent_buffers(engine.module)]
     from hf_zero import __version__
@@ -155,7 +161,9 @@ def _prepare(engine: EngineState, tag: str, client_state: Any) -> _Prepared:
         **_run_state(engine),
         "client_state": json.loads(json.dumps(client_state)),
     }
-    return _Prepared(entries if engine.rank < data_world else [], manifest, data_world)
+    writes = engine.rank < data_world
+    return _Prepared(entries if writes else [], manifest, data_world,
+                     whole_record if writes and whole_params_of(engine) is not None else None)
 
 
 def _exchange(comm: Any, outcome: dict[str, Any]) -> list[dict[str, Any]]:
@@ -255,13 +263,15 @@ def save_checkpoint(engine: EngineState, save_dir: str | os.PathLike[str], tag: 
         local_error = exc
     steps = [engine.global_steps, engine.micro_steps]
     outcomes = _exchange(comm, {"error": str(local_error) if local_error else None, "tag": tag, "rng": capture_rng(),
-                                "steps": steps})
+                                "steps": steps, "whole_state": prepared.whole_state if prepared else None})
     _raise_if_failed(outcomes, f"save_checkpoint({save_dir!r}, tag={tag!r}) refused; nothing was written", local_error)
     tags = sorted({o["tag"] for o in outcomes})
     if len(tags) > 1:
         raise CheckpointError(f"save_checkpoint: ranks passed different tags {tags}; pass the same tag on every rank")
     _check_same_step(outcomes, save_dir)
     prepared = cast(_Prepared, prepared)  # _prepare succeeded on every rank
+    if whole_params_of(engine) is not None:
+        prepared.manifest[MANIFEST_KEY] = merge_records([o["whole_state"] for o in outcomes[:prepared.data_world_size]])
     rng_states = [o["rng"] for o in outcomes]
     tmp_dir, save_id = _make_tmp_dir(comm, save_dir, tag)
     try:

@@ -358,14 +358,6 @@ class ZeroEngine(nn.Module):
         client_state)``. See hf_zero.checkpoint.load."""
         from hf_zero.checkpoint import load_checkpoint
 
-        if getattr(self.optimizer, "whole_params", None) is not None:
-            # The owners' full-shape masters and state ([Note: whole-parameter step]) are not
-            # restored by the checkpoint code, so the next step would write stale values back.
-            raise NotImplementedError(
-                f"load_checkpoint({load_dir!r}) with {type(self.optimizer.inner).__name__} (stepped whole, one "
-                "owner rank per parameter) is not supported yet; nothing was loaded. Export the weights "
-                "and start a new run from them, or train with an element-wise optimizer such as AdamW")
-
         return load_checkpoint(
             self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
             load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,

@@ -432,6 +432,11 @@ def _offload_settings(config: HfZeroConfig, optimizer: OptimizerArg) -> OffloadS
         raise NotImplementedError(
             "NVMe optimizer offload runs hf_zero's own Adam/AdamW tile by tile: put an \"optimizer\" "
             "section (Adam or AdamW) in the config instead of passing an optimizer")
+    if opt == "nvme" and config.optimizer.type in CONFIG_WHOLE_PARAM_TYPES:
+        raise NotImplementedError(
+            f"NVMe optimizer offload runs hf_zero's own Adam/AdamW tile by tile, and the config's optimizer is "
+            f"{config.optimizer.type} (stepped whole, one owner rank per parameter; see docs/optimizers.md): "
+            "use offload_optimizer.device \"cpu\" with it, or an Adam/AdamW optimizer section")
     section = zero.offload_optimizer if opt != "none" else zero.offload_param
     return OffloadSettings(
         optimizer=opt, params=params,

@@ -54,13 +54,13 @@ class MuonWithAuxAdamW(torch.optim.Optimizer):
             raise ValueError(f"MuonWithAuxAdamW: param group(s) {missing} lack 'use_muon' (true for hidden 2-D "
                              "weights, false for the rest); build the groups with hf_zero.engine.muon.muon_param_groups")
         super().__init__(param_groups, {})
-        muon_groups = [g for g in self.param_groups if g["use_muon"]]
-        aux_groups = [g for g in self.param_groups if not g["use_muon"]]
-        # torch refuses an optimizer with no group: a kind without groups has no stepper.
-        self._steppers = [cls(groups) for cls, groups in ((torch.optim.Muon, muon_groups),
-                                                           (torch.optim.AdamW, aux_groups)) if groups]
-        for stepper in self._steppers:
-            stepper.state = self.state
+        # Each stepper fills its defaults into the groups it is built on (these very dicts);
+        # torch refuses an optimizer with no group, so a kind without groups has no stepper.
+        self._steppers = [(use_muon, cls(groups)) for use_muon, cls in ((True, torch.optim.Muon), (False, torch.optim.AdamW))
+                          if (groups := self._groups(use_muon))]
+
+    def _groups(self, use_muon: bool) -> list[dict[str, Any]]:
+        return [g for g in self.param_groups if bool(g["use_muon"]) == use_muon]
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -68,6 +68,10 @@ class MuonWithAuxAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for stepper in self._steppers:
+        for use_muon, stepper in self._steppers:
+            # Re-pointed at every step: load_state_dict (which Accelerate calls when it prepares an
+            # optimizer) replaces the group dicts and the state, and a scheduler writes the new ones.
+            stepper.param_groups = self._groups(use_muon)
+            stepper.state = self.state
             stepper.step()
         return loss

@@ -14,6 +14,12 @@ are summed over ranks (each element is written by exactly one owner, zeros elsew
 rank copies its shard range into its flat fp32 master, and the usual refresh of the compute
 shard and all-gather of updated parameters follow. The traffic is one gather of the gradient
 and one all-reduce of the parameters per group, above the flat path's.
+
+Checkpoints keep the flat masters as on the flat path, and the optimizer state by parameter
+name, each owner writing the state of its parameters into its rank file; a load writes the
+flat masters, copies them into the owners' masters, and gives each owner the state saved under
+its parameters' names, wherever they were saved, so a run resumes at another world size or stage
+(see hf_zero.checkpoint.whole_state).
 """
 
 from __future__ import annotations
@@ -64,6 +70,21 @@ class WholeParamStep:
         # A rank that owns nothing in a group still keeps the group (its hyperparameters are
         # what schedulers read); torch refuses only an optimizer with no group at all.
         self.inner: torch.optim.Optimizer | None = None  # the user's class over param_groups, set by initialize
+
+    def owned_masters(self) -> list[tuple[str, torch.Tensor]]:
+        """(parameter name, full-shape master) for every parameter this rank steps, in layout
+        order: what checkpoints save the optimizer state of, by name, so that a load at another
+        world size (other owners) finds each parameter's state."""
+        return [(slot.name, master) for group in self.groups for slot, master in self.owned[id(group)]]
+
+    @torch.no_grad()
+    def reload_masters(self) -> None:
+        """Copy every group's flat fp32 master into the owners' full-shape masters, after a
+        checkpoint load wrote the flat masters. A collective: every rank calls it, in the same order."""
+        for group in self.groups:
+            full = self._gather(group, group.master, "whole_param_master")
+            for slot, master in self.owned[id(group)]:
+                master.copy_(full[slot.offset:slot.offset + slot.numel].view(slot.shape))
 
     def _gather(self, group: FlatParamGroup, shard: torch.Tensor | None, label: str) -> torch.Tensor:
         """The whole padded fp32 flat buffer of ``group`` from every rank's shard of it."""
