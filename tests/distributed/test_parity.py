@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 from tests.distributed import scenarios as S
 from tests.distributed.launch import run_distributed
@@ -149,10 +150,19 @@ def test_bf16_memory_report_equals_zero_formula(runs, stage):
 
 
 # ------------------------------------------------------------------ communication
-def _expected_comm(layout: list[dict[str, Any]], stage: int, gas: int, step: int, reuse: bool) -> dict[str, int]:
+def _embedding_units(sc: dict[str, Any]) -> set[str]:
+    """Units that are exactly an nn.Embedding: their backward reads no parameter, so stage 3
+    never gathers them for it ([Note: units whose backward reads no parameter])."""
+    model = S.build_model(sc)
+    return {name for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Embedding) and type(m).forward is torch.nn.Embedding.forward}
+
+
+def _expected_comm(layout: list[dict[str, Any]], stage: int, gas: int, step: int, reuse: bool,
+                   no_backward_gather: set[str] = frozenset()) -> dict[str, int]:
     """Elements per step. Stage 3 gathers each sharded unit for its forward and, unless it was
-    kept (the reuse distance: the shared schedule knows the order from the first step), again
-    for its backward."""
+    kept (the reuse distance: the shared schedule knows the order from the first step) or its
+    backward reads no parameter (an embedding), again for its backward."""
     trainable = sum(g["padded_numel"] for g in layout if g["trainable"])
     if stage == 0:
         return {"all_reduce": trainable}
@@ -160,8 +170,9 @@ def _expected_comm(layout: list[dict[str, Any]], stage: int, gas: int, step: int
         return {"reduce_scatter": trainable * (gas if stage == 2 else 1), "all_gather": trainable}
     sharded = sum(g["padded_numel"] for g in layout if not g["persistent"])
     persistent = sum(g["padded_numel"] for g in layout if g["persistent"] and g["trainable"])
-    regathers = 0 if reuse else gas
-    return {"reduce_scatter": trainable * gas, "all_gather": sharded * (gas + regathers) + persistent}
+    regathered = sum(g["padded_numel"] for g in layout if not g["persistent"] and g["unit"] not in no_backward_gather)
+    return {"reduce_scatter": trainable * gas,
+            "all_gather": sharded * gas + (0 if reuse else regathered * gas) + persistent}
 
 
 COMM_SCENARIOS = PARITY + [EXTRA[k] for k in ("persistent_s3", "frozen_s3", "checkpointing_s3", "no_reuse_s3",
@@ -174,9 +185,10 @@ def test_comm_volume_per_step(runs, sc):
     world, results = _result(runs, sc)
     layout = results[0]["layout"]
     reuse = sc["zero"].get("stage3_max_reuse_distance", 1) > 0
+    embeddings = _embedding_units(sc)
     assert all(r["layout"] == layout for r in results)
     for step, step_stats in ((s, st) for r in results for s, st in enumerate(r["comm_per_step"])):
-        expected = _expected_comm(layout, sc["stage"], sc["gas"], step, reuse)
+        expected = _expected_comm(layout, sc["stage"], sc["gas"], step, reuse, embeddings)
         # One all-reduce per step carries the global grad norm, the non-finite flag and one
         # "some rank used this group" flag per trainable group ([Note: groups no rank used]).
         flags = 2 + sum(1 for g in layout if g["trainable"])

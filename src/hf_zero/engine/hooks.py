@@ -21,9 +21,15 @@ pair one unit's collective with another's:
 - Gradients go out in buckets cut once from the backward order ([Note: buckets in a fixed
   order] in buckets.py), on a process group of their own ([Note: two process groups] in
   hf_zero.comm), so a reduction that one rank issues early cannot pair with another rank's
-  gather. Under stage 3 a reduction is never waited for inside the backward (that rank's peers
-  may first need it to join a gather): finished ones are collected as later ones go out, and the
-  rest at the end of the backward.
+  gather. Under stage 3 at most ``STAGE3_BUCKETS_IN_FLIGHT`` buckets are in flight: finished
+  ones are collected as later ones go out, and launching one more first waits for the oldest
+  (each holds its units' full gradients, so without the bound a whole model's gradients were
+  alive at the end of the backward: +512 MB per rank on a 134M Llama, where the gloo reductions
+  only progressed when waited for). That wait cannot deadlock: a rank that has not yet issued
+  the oldest reduction has not readied that bucket, so its backward cursor is at or before the
+  bucket's units, and every gather it can be blocked in (the shared schedule's, prefetches
+  included) was issued already by the waiting rank, whose cursor is past them. The rest is
+  finished at the end of the backward.
 - A unit run out of the forward order (a module called twice, a submodule called directly) is
   gathered where it runs, as before: that is rank-invariant only if every rank does it.
 - A gradient that reaches a unit after the schedule passed it (its backward ran out of order
@@ -53,6 +59,16 @@ pair one unit's collective with another's:
   overlapping the backward still running).
 - With ``wall_clock_breakdown``, each gather (with its wait and the prefetches it starts) runs
   under the ``gather`` timer and each reduction under ``reduce`` (hf_zero.engine.timers).
+
+[Note: units whose backward reads no parameter]
+An embedding lookup's backward scatters the output gradient into rows of the weight's gradient
+from the saved indices; it never reads the weight. A unit that is exactly a ``nn.Embedding``
+(with its own ``forward``: a subclass that transforms the weight may read it) is therefore
+freed right after its forward whatever the reuse distance, and its backward gathers nothing:
+its gradient is accumulated into ``.grad`` views that need the parameter's shape only. On a
+Llama with a 32k vocabulary that is the vocabulary's rows (94 MB in fp32 at hidden 768) not
+held from the forward to the end of the backward; the decision is a property of the unit, so
+every rank skips the same gathers.
 
 [Note: reuse distance]
 DeepSpeed's ``stage3_max_reuse_distance``: a unit is kept gathered after its forward when its
@@ -94,6 +110,10 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
     elif isinstance(obj, (list, tuple)):
         for value in obj:
             yield from _tensors(value)
+
+
+# Stage-3 gradient buckets whose reduction may be in flight at once ([Note: the shared schedule]).
+STAGE3_BUCKETS_IN_FLIGHT = 2
 
 
 class UnitProtocol:
@@ -309,7 +329,8 @@ class UnitProtocol:
         unit.prepare_grads()
 
     def _gather_backward(self, unit: ZeroUnit) -> None:
-        unit.unshard()
+        if unit.backward_reads_params:  # see [Note: units whose backward reads no parameter]
+            unit.unshard()
         if unit is self.root:
             self._prefetch(self.backward_order, 0, self._live_numel_ahead(0))
         else:
@@ -340,12 +361,14 @@ class UnitProtocol:
                 self._timed("reduce", self._launch, bucket)
 
     def _launch(self, groups: list[FlatParamGroup]) -> None:
-        """Reduce-scatter one bucket. Stage 3 never waits inside the backward ([Note: the shared
-        schedule]); stage 2 with overlap_comm keeps one bucket in flight; otherwise it is done
-        before this returns."""
+        """Reduce-scatter one bucket. Stage 3 keeps at most ``STAGE3_BUCKETS_IN_FLIGHT`` in
+        flight ([Note: the shared schedule]); stage 2 with overlap_comm keeps one; otherwise it
+        is done before this returns."""
         async_op = self.stage == 3 or self.overlap_comm
         if self.stage == 3:
             self._collect_finished()
+            while len(self.in_flight) >= STAGE3_BUCKETS_IN_FLIGHT:
+                self._finish(self.in_flight.pop(0))
         else:
             self._finish_in_flight()
         pending = start_bucket(groups, self.comm, self.reduce_dtype, async_op)
@@ -415,6 +438,8 @@ class UnitProtocol:
         """Whether ``unit`` stays gathered until its backward: [Note: reuse distance]."""
         if self.max_reuse_numel <= 0 or not self.training_pass or not unit.sharded_numel:
             return False
+        if not unit.backward_reads_params:  # see [Note: units whose backward reads no parameter]
+            return False
         if 2 * self.numel_after[unit.index] >= self.max_reuse_numel:
             return False
         return self._live_numel() <= self.max_live_numel
@@ -442,8 +467,9 @@ class UnitProtocol:
             return
         budget = self.prefetch_numel
         first = True
+        backward = order is self.backward_order
         for upcoming in order[start:]:
-            if not upcoming.sharded_numel:
+            if not upcoming.sharded_numel or (backward and not upcoming.backward_reads_params):
                 continue
             budget -= upcoming.sharded_numel
             if (budget < 0 and not first) or live + upcoming.sharded_numel > self.max_live_numel:

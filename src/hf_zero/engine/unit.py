@@ -102,6 +102,11 @@ class ZeroUnit:
         # Frozen gathered parameters get no gradient hook, yet the backward may still read them
         # after the last trainable gradient: see [Note: releasing a unit in backward].
         self.has_frozen_sharded = any(g.shards_params and not g.kind.trainable for g in self.groups)
+        # A plain nn.Embedding's backward reads only the indices, never the weight: stage 3
+        # neither keeps it gathered for the backward nor gathers it there ([Note: units whose
+        # backward reads no parameter] in hooks.py).
+        self.backward_reads_params = not (isinstance(self.module, nn.Embedding)
+                                          and type(self.module).forward is nn.Embedding.forward)
         self.param_state = ParamState.SHARDED if self.sharded_numel else ParamState.GATHERED
         self.grad_state = GradState.IDLE
         self.reset_backward_state()
