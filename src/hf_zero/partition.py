@@ -58,6 +58,10 @@ class ParamSlot:
     offset: int  # in elements, from the start of the flat buffer
     numel: int
 
+    def view_in(self, flat: torch.Tensor) -> torch.Tensor:
+        """This parameter's elements of ``flat``, in the parameter's shape (a view)."""
+        return flat[self.offset : self.offset + self.numel].view(self.shape)
+
 
 @dataclass(frozen=True)
 class FlatLayout:

@@ -27,7 +27,7 @@ from hf_zero.checkpoint.engine_state import EngineState, flat_groups
 from hf_zero.checkpoint.errors import CheckpointError
 from hf_zero.checkpoint.manifest import (
     BUFFER_PREFIX, MANIFEST_NAME, OPTIM_PREFIX, PARAM_KEY, capture_rng, decode_state, manifest_errors,
-    persistent_buffers, read_manifest, resolve_checkpoint_dir, restore_rng, tensor_name,
+    optimizer_value_on, persistent_buffers, read_manifest, resolve_checkpoint_dir, restore_rng, tensor_name,
 )
 from hf_zero.checkpoint.offloaded import (
     check_streamed_keys, is_streamed, load_streamed_optimizer, load_streamed_parameters,
@@ -277,9 +277,7 @@ def _load_optimizer(engine: EngineState, plan: _Plan, hyper_groups: list[dict[st
             state[key] = torch.zeros(master.shape, dtype=item.optim_dtypes[key], device=master.device)
             _fill(state[key], item.pieces, OPTIM_PREFIX + key, plan.files)
         for key, value in item.optim_scalars.items():
-            # torch keeps Adam's 0-d "step" on the CPU (unless capturable); other tensors follow the master
-            moved = isinstance(value, torch.Tensor) and key != "step"
-            state[key] = value.to(master.device) if moved else value
+            state[key] = optimizer_value_on(master.device, key, value)
         inner.state[master] = state
     apply_whole_state(engine, plan.whole_reads, plan.files)
 

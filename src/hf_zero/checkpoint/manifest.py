@@ -95,6 +95,12 @@ def decode_state(value: Any) -> Any:
     return {k: decode_state(v) for k, v in value.items()}
 
 
+def optimizer_value_on(device: torch.device, key: str, value: Any) -> Any:
+    """A decoded optimizer-state value, placed as torch keeps it: the 0-d ``step`` on the CPU
+    (unless capturable), other tensors with the parameter they belong to."""
+    return value.to(device) if isinstance(value, torch.Tensor) and key != "step" else value
+
+
 def check_plain_json(value: Any, path: str = "client_state") -> None:
     """Refuse anything ``json.dumps`` would refuse, naming where it is."""
     if value is None or isinstance(value, (bool, int, float, str)):

@@ -21,6 +21,8 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
+from hf_zero.checkpoint.errors import CheckpointError
+
 DTYPE_TAGS: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
@@ -55,6 +57,13 @@ class TensorEntry:
     @property
     def nbytes(self) -> int:
         return self.numel * element_bytes(self.dtype)
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor) -> "TensorEntry":
+        """The entry of a tensor already in memory; a dtype safetensors lacks is refused."""
+        if tensor.dtype not in DTYPE_TAGS:
+            raise CheckpointError(f"{name}: dtype {tensor.dtype} cannot be stored in safetensors")
+        return cls(name, tensor.dtype, tuple(tensor.shape), lambda t=tensor: t)
 
 
 def encode_header(entries: Iterable[TensorEntry], metadata: dict[str, str] | None) -> bytes:

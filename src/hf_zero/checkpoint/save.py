@@ -68,12 +68,6 @@ def default_tag(engine: EngineState) -> str:
     return f"global_step{engine.global_steps}"
 
 
-def _entry(name: str, tensor: torch.Tensor) -> TensorEntry:
-    if tensor.dtype not in DTYPE_TAGS:
-        raise CheckpointError(f"{name}: dtype {tensor.dtype} cannot be stored in safetensors")
-    return TensorEntry(name, tensor.dtype, tuple(tensor.shape), lambda t=tensor: t)
-
-
 def _optimizer_state(engine: EngineState, group: FlatParamGroup) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The inner optimizer's state of a group's master, split in element-wise tensors (sharded
     like the master, written to the rank file) and the rest (small, written to the manifest)."""
@@ -96,8 +90,8 @@ def _group_tensors(engine: EngineState, group: FlatParamGroup) -> tuple[TensorEn
         return streamed_entries(engine, group)
     data = group.master if group.master is not None else group.shard
     elementwise, scalars = _optimizer_state(engine, group)
-    optim = [(key, _entry(tensor_name(group.label, OPTIM_PREFIX + key), value)) for key, value in elementwise.items()]
-    return _entry(tensor_name(group.label, PARAM_KEY), data), optim, scalars
+    optim = [(key, TensorEntry.of(tensor_name(group.label, OPTIM_PREFIX + key), value)) for key, value in elementwise.items()]
+    return TensorEntry.of(tensor_name(group.label, PARAM_KEY), data), optim, scalars
 
 
 def _group_records(engine: EngineState) -> tuple[list[TensorEntry], list[dict[str, Any]]]:
@@ -145,7 +139,7 @@ def _prepare(engine: EngineState, tag: str, client_state: Any) -> _Prepared:
     whole_entries, whole_record = whole_state_entries(engine)
     entries += whole_entries
     if engine.rank == 0:
-        entries += [_entry(BUFFER_PREFIX + name, buf) for name, buf in persistent_buffers(engine.module)]
+        entries += [TensorEntry.of(BUFFER_PREFIX + name, buf) for name, buf in persistent_buffers(engine.module)]
     from hf_zero import __version__
 
     manifest = {
@@ -162,8 +156,7 @@ def _prepare(engine: EngineState, tag: str, client_state: Any) -> _Prepared:
         "client_state": json.loads(json.dumps(client_state)),
     }
     writes = engine.rank < data_world
-    return _Prepared(entries if writes else [], manifest, data_world,
-                     whole_record if writes and whole_params_of(engine) is not None else None)
+    return _Prepared(entries if writes else [], manifest, data_world, whole_record if writes else None)
 
 
 def _exchange(comm: Any, outcome: dict[str, Any]) -> list[dict[str, Any]]:

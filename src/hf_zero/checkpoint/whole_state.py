@@ -14,6 +14,7 @@ owners' full-shape masters.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -21,7 +22,7 @@ import torch
 
 from hf_zero.checkpoint.engine_state import EngineState
 from hf_zero.checkpoint.errors import CheckpointError
-from hf_zero.checkpoint.manifest import decode_state, encode_state
+from hf_zero.checkpoint.manifest import decode_state, encode_state, optimizer_value_on
 from hf_zero.checkpoint.reader import RankFiles
 from hf_zero.checkpoint.safetensors_io import DTYPE_TAGS, TAG_DTYPES, TensorEntry
 
@@ -51,10 +52,7 @@ def whole_state_entries(engine: EngineState) -> tuple[list[TensorEntry], dict[st
         tensors, scalars = {}, {}
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
-                if value.dtype not in DTYPE_TAGS:
-                    raise CheckpointError(f"optimizer state {key!r} of {name}: dtype {value.dtype} cannot be stored in safetensors")
-                entries.append(TensorEntry(whole_tensor_name(name, key), value.dtype, tuple(value.shape),
-                                           lambda t=value: t))
+                entries.append(TensorEntry.of(whole_tensor_name(name, key), value))
                 tensors[key] = {"dtype": DTYPE_TAGS[value.dtype], "shape": list(value.shape)}
             else:
                 scalars[key] = value
@@ -115,10 +113,7 @@ def expected_tensors(reads: list[WholeRead]) -> dict[int, dict[str, int]]:
     expected: dict[int, dict[str, int]] = {}
     for read in reads:
         for key, (_, shape) in read.tensors.items():
-            numel = 1
-            for dim in shape:
-                numel *= dim
-            expected.setdefault(read.file_index, {})[whole_tensor_name(read.name, key)] = numel
+            expected.setdefault(read.file_index, {})[whole_tensor_name(read.name, key)] = math.prod(shape)
     return expected
 
 
@@ -134,7 +129,5 @@ def apply_whole_state(engine: EngineState, reads: list[WholeRead], files: RankFi
             data = files.read(read.file_index, whole_tensor_name(read.name, key))
             state[key] = data.to(device=read.master.device, dtype=dtype).reshape(shape)
         for key, value in read.scalars.items():
-            # torch keeps the 0-d "step" on the CPU (unless capturable); other tensors follow the master
-            moved = isinstance(value, torch.Tensor) and key != "step"
-            state[key] = value.to(read.master.device) if moved else value
+            state[key] = optimizer_value_on(read.master.device, key, value)
         whole.inner.state[read.master] = state

@@ -158,7 +158,7 @@ class FlatParamGroup:
             return full
         with torch.no_grad():
             for slot, param in zip(self.layout.slots, self.params):
-                full[slot.offset : slot.offset + slot.numel].copy_(param.detach().reshape(-1))
+                slot.view_in(full).copy_(param.detach())
         # Every rank must start from the same weights, whatever its seed was.
         self.comm.broadcast_(full, src=0, label=f"{self.label}.init")
         return full
@@ -178,7 +178,7 @@ class FlatParamGroup:
 
     def _bind_param_views(self) -> None:
         for slot, param in zip(self.layout.slots, self.params):
-            view = self.full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            view = slot.view_in(self.full)
             if param.is_meta:
                 # .data cannot move a tensor off the meta device; swapping keeps the Parameter
                 # object (tied weights, optimizer param groups). Swap in an empty one and then
@@ -340,7 +340,7 @@ class FlatParamGroup:
         if allocate_storage(self.grad_full):
             self.grad_full.zero_()
         for slot, param in zip(self.layout.slots, self.params):
-            view = self.grad_full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            view = slot.view_in(self.grad_full)
             grad = param.grad
             if grad is None or grad.data_ptr() != view.data_ptr():
                 if grad is not None:  # produced outside our buffer (see collect_stray_grads)

@@ -66,7 +66,7 @@ def memory_report(units: list[Any], optimizer: Any, module: nn.Module) -> dict[s
     # step]), live on the compute device whatever the offload.
     whole = getattr(optimizer, "whole_params", None)
     if whole is not None:
-        counter.add("fp32_master", (master for owned in whole.owned.values() for _, master in owned))
+        counter.add("fp32_master", (master for _, master in whole.owned_masters()))
     # Step counters are 0-d tensors in torch optimizers; they are state too.
     hosted_masters = {id(g.master) for g in groups if host[id(g)] and g.master is not None}
     counter.add("host_optimizer_state", _state_tensors(optimizer, hosted_masters, True))

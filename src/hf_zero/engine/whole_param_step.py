@@ -64,7 +64,7 @@ class WholeParamStep:
             full = self._gather(group, group.master, "whole_param_master")
             for (g, slot), owner in zip(slots, owners, strict=True):
                 if g is group and (owner == comm.rank or world == 1):
-                    master = full[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
+                    master = slot.view_in(full).clone()
                     self.owned[id(group)].append((slot, master))
                     self.param_groups[group.kind.param_group_index]["params"].append(master)
         # A rank that owns nothing in a group still keeps the group (its hyperparameters are
@@ -84,7 +84,7 @@ class WholeParamStep:
         for group in self.groups:
             full = self._gather(group, group.master, "whole_param_master")
             for slot, master in self.owned[id(group)]:
-                master.copy_(full[slot.offset:slot.offset + slot.numel].view(slot.shape))
+                master.copy_(slot.view_in(full))
 
     def _gather(self, group: FlatParamGroup, shard: torch.Tensor | None, label: str) -> torch.Tensor:
         """The whole padded fp32 flat buffer of ``group`` from every rank's shard of it."""
@@ -105,7 +105,7 @@ class WholeParamStep:
             full_grad = self._gather(group, group.grad_shard, "whole_param_grad")
             for slot, master in self.owned[id(group)]:
                 # A group no rank used is not stepped ([Note: groups no rank used]).
-                master.grad = (full_grad[slot.offset:slot.offset + slot.numel].view(slot.shape) * factor
+                master.grad = (slot.view_in(full_grad) * factor
                                if group.used_in_step else None)
         assert self.inner is not None, "initialize builds the optimizer over param_groups"
         self.inner.step()
@@ -114,7 +114,7 @@ class WholeParamStep:
                 continue
             updated = torch.zeros(group.layout.padded_numel, dtype=torch.float32, device=self.device)
             for slot, master in self.owned[id(group)]:
-                updated[slot.offset:slot.offset + slot.numel] = master.reshape(-1)
+                slot.view_in(updated).copy_(master)
             if group.layout.world_size > 1:
                 self.comm.all_reduce_(updated, label="whole_param_update")
             lo, hi = group.shard_range
