@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
+from hf_zero.comm.exchange import ExchangeReduceScatter
 from hf_zero.comm.process_group import leave_gloo_groups_at_exit
 from hf_zero.transfer import assert_not_host
 
@@ -157,6 +158,7 @@ class Communicator:
         self.stats = CommStats()
         self.timeout_s = timeout_s  # the collective timeout hf_zero set, if it did (see [Note: collective errors])
         self.where: Callable[[], str] = lambda: "initialize"  # the engine points this at its counters
+        self._reduce_scatter_by_exchange = self.world_size > 1 and dist.get_backend(self.grad_group) == "gloo"
 
     @contextmanager
     def _reporting(self, kind: str, label: str) -> Iterator[None]:
@@ -209,7 +211,12 @@ class Communicator:
             return _DoneHandle()
         self.stats.add("reduce_scatter", full)
         with record_function(f"hf_zero::reduce_scatter::{label}"), self._reporting("reduce-scatter", label):
-            work = _REDUCE_SCATTER(shard, full, group=self.grad_group, async_op=async_op)
+            if self._reduce_scatter_by_exchange and full.device.type == "cpu":
+                work = ExchangeReduceScatter(shard, full, self.grad_group)  # [Note: reduce-scatter on gloo]
+                if not async_op:
+                    work.wait()
+            else:
+                work = _REDUCE_SCATTER(shard, full, group=self.grad_group, async_op=async_op)
         return _ReportingHandle(work, self, "reduce-scatter", label) if async_op else _DoneHandle()
 
     def all_reduce_(

@@ -6,18 +6,24 @@ collective per flat group. Many units are small (norms, biases, a model's persis
 a collective has a fixed cost, so groups are bucketed the way DeepSpeed's ``reduce_bucket_size``
 and ``allgather_bucket_size`` buckets work:
 
-- Gradients: groups are bucketed in a fixed order (see [Note: buckets in a fixed order]); a
-  bucket holds at least ``reduce_bucket_size`` elements (but the last); it is packed
-  rank-major with ``kernels.pack_for_reduce_scatter`` (pre-divided by the world size and cast to
-  the reduce dtype in the same pass) and reduce-scattered once; rank r receives its shard of every
-  group back to back. The full gradients are freed as soon as they are packed, so a bucket in
-  flight holds one packed copy, not the groups' buffers. ``reduce_bucket_size`` 0 gives one
-  collective per group; a bucket of one group skips the pack and reduces in place.
-- Updated parameters (after the step): a group of ``GATHER_IN_PLACE_NUMEL`` elements or more is
+- Gradients: a group of ``IN_PLACE_NUMEL`` elements or more is reduce-scattered alone, in
+  place (pre-divided by the world size in its own buffer: no copy). The smaller ones are
+  bucketed in a fixed order (see [Note: buckets in a fixed order]); a bucket holds at least
+  ``reduce_bucket_size`` elements (but the last); it is packed rank-major with
+  ``kernels.pack_for_reduce_scatter`` (pre-divided by the world size and cast to the reduce
+  dtype in the same pass) and reduce-scattered once; rank r receives its shard of every group
+  back to back. The full gradients are freed as soon as they are packed, so a bucket in flight
+  holds one packed copy, not the groups' buffers. ``reduce_bucket_size`` 0 gives one collective
+  per group; a bucket of one group skips the pack and reduces in place.
+- Updated parameters (after the step): a group of ``IN_PLACE_NUMEL`` elements or more is
   all-gathered alone, in place (its shard is a view of its full buffer: no copy at all); the
-  smaller ones, consecutive up to ``allgather_bucket_size`` elements, send their shards
-  concatenated in one all-gather, and ``kernels.unpack_after_all_gather`` puts every rank's
-  part back into each group's full buffer.
+  smaller ones, up to ``allgather_bucket_size`` elements, send their shards concatenated in one
+  all-gather, and ``kernels.unpack_after_all_gather`` puts every rank's part back into each
+  group's full buffer.
+
+For a large group the copies into and out of a bucket cost more than one more collective: on a
+29.5M GPT-2 at stage 2 on CPU, packing the one 118 MB gradient bucket took 69 ms of a 1.36 s step
+and the all-gather's packing and unpacking 50 ms of a 350 ms optimizer step.
 
 The elements moved are the same as without buckets (2Ψ / 3Ψ); the number of collectives drops.
 """
@@ -108,8 +114,9 @@ class ReduceSchedule:
 
     [Note: buckets in a fixed order]
     Buckets are cut from the trainable groups in the shared backward order (the units in reverse
-    model order, the root last; see [Note: the shared schedule] in hooks.py), each closed once it
-    holds ``reduce_bucket_size`` elements, so every rank has the same buckets. They go out in
+    model order, the root last; see [Note: the shared schedule] in hooks.py) by
+    :func:`split_buckets` (a large group alone, the others until ``reduce_bucket_size``
+    elements), so every rank has the same buckets. They go out in
     that order: bucket i is reduced once all its groups are READY on this rank and bucket i-1 has
     gone, as DDP's reducer does. A group this rank did not use is READY with zeros once the
     schedule has passed its unit, and at the latest at the end of the backward; so whatever path
@@ -145,10 +152,15 @@ class ReduceSchedule:
 
 
 def split_buckets(groups: list[FlatParamGroup], bucket_numel: int) -> Iterator[list[FlatParamGroup]]:
-    """Consecutive groups, each bucket closed once it holds ``bucket_numel`` elements."""
+    """Groups in order, in buckets: a group of ``IN_PLACE_NUMEL`` elements or more is a bucket of
+    its own; the others fill a bucket, closed (and yielded where its last group falls) once it
+    holds ``bucket_numel`` elements."""
     bucket: list[FlatParamGroup] = []
     numel = 0
     for group in groups:
+        if group.layout.padded_numel >= IN_PLACE_NUMEL:
+            yield [group]
+            continue
         bucket.append(group)
         numel += group.layout.padded_numel
         if numel >= bucket_numel:
@@ -158,10 +170,9 @@ def split_buckets(groups: list[FlatParamGroup], bucket_numel: int) -> Iterator[l
         yield bucket
 
 
-# Groups at least this large are all-gathered alone, in place, after the step: for them the
-# copies into and out of a bucket (on a 29.5M GPT-2 at stage 2, 50 ms of a 350 ms step on CPU)
-# cost more than one more collective. Smaller groups share buckets ([Note: buckets]).
-GATHER_IN_PLACE_NUMEL = 1 << 20
+# Groups at least this large are reduce-scattered, and all-gathered after the step, alone and in
+# place ([Note: buckets]).
+IN_PLACE_NUMEL = 1 << 20
 
 
 def all_gather_updated(groups: list[FlatParamGroup], comm: Communicator, bucket_numel: int) -> None:
@@ -170,15 +181,9 @@ def all_gather_updated(groups: list[FlatParamGroup], comm: Communicator, bucket_
     if not comm.active:
         return
     eligible = [g for g in groups if g.stage != 0 and not g.shards_params]
-    small: list[FlatParamGroup] = []
-    for group in eligible:
-        if group.layout.padded_numel >= GATHER_IN_PLACE_NUMEL:
-            group.gather_updated_shards()  # in place: the shard is a view of the full buffer
-        else:
-            small.append(group)
-    for bucket in split_buckets(small, bucket_numel):
+    for bucket in split_buckets(eligible, bucket_numel):
         if len(bucket) == 1:
-            bucket[0].gather_updated_shards()
+            bucket[0].gather_updated_shards()  # in place: the shard is a view of the full buffer
             continue
         send = torch.cat([g.full[slice(*g.shard_range)] for g in bucket])
         received = torch.empty(send.numel() * comm.world_size, dtype=send.dtype, device=send.device)

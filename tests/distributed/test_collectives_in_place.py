@@ -1,6 +1,6 @@
-"""After the step (stages 1-2), a group of GATHER_IN_PLACE_NUMEL elements or more is all-gathered
-alone and in place, and only the smaller groups share a bucket ([Note: buckets]); the model
-trains as in one process."""
+"""A group of IN_PLACE_NUMEL elements or more is reduce-scattered alone and in place, and (stages
+1-2) all-gathered alone and in place after the step; only the smaller groups share a bucket
+([Note: buckets]). The model trains as in one process."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from hf_zero.engine.buckets import GATHER_IN_PLACE_NUMEL
+from hf_zero.engine.buckets import IN_PLACE_NUMEL
 from tests.distributed.launch import run_distributed
 
 LR = 1e-2
@@ -40,17 +40,21 @@ def _train(world: int) -> dict[str, Any]:
         ids = _batch(step)[engine.rank * micro:(engine.rank + 1) * micro]
         engine.backward(engine(input_ids=ids, labels=ids).loss)
         engine.step()
-    big = sum(1 for u in engine.units for g in u.groups if g.layout.padded_numel >= GATHER_IN_PLACE_NUMEL)
-    small = sum(1 for u in engine.units for g in u.groups if g.layout.padded_numel < GATHER_IN_PLACE_NUMEL)
-    return {"all_gathers": engine.comm_stats()["all_gather"]["calls"], "big": big, "small": small,
+    big = sum(1 for u in engine.units for g in u.groups if g.layout.padded_numel >= IN_PLACE_NUMEL)
+    small = sum(1 for u in engine.units for g in u.groups if g.layout.padded_numel < IN_PLACE_NUMEL)
+    stats = engine.comm_stats()
+    return {"all_gathers": stats["all_gather"]["calls"], "reduce_scatters": stats["reduce_scatter"]["calls"],
+            "big": big, "small": small,
             "params": {n: p.detach().reshape(-1).tolist() for n, p in engine.module.named_parameters()}}
 
 
-def test_large_groups_are_gathered_alone_and_the_model_trains_as_in_one_process():
+def test_large_groups_are_reduced_and_gathered_alone_and_the_model_trains_as_in_one_process():
     ranks = run_distributed(_train, 2, 2)
     first = ranks[0]
     assert first["big"] == 2 and first["small"] >= 1, first
-    assert first["all_gathers"] == first["big"] + 1  # each large group alone, the rest in one bucket
+    # Each large group alone, the rest in one bucket (the default buckets hold the whole model).
+    assert first["reduce_scatters"] == first["big"] + 1
+    assert first["all_gathers"] == first["big"] + 1
     assert all(r["params"] == first["params"] for r in ranks[1:])
     model = _model()
     initial = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
