@@ -367,6 +367,8 @@ def summarize_run(raw: dict[str, Any], workload: Workload) -> dict[str, Any]:
         "comm_bytes_per_step_per_rank": [comm_of(r, comm_key) for r in ranks],
         "comm_ring_equivalent_bytes_per_step_per_rank": [comm_of(r, comm_key, "ring_equivalent_bytes") for r in ranks],
         "comm_bytes_wrapper_per_step_per_rank": [comm_of(r) for r in ranks],
+        "comm_bytes_wrapper_per_step_by_kind_rank0": {k.removesuffix("_bytes"): v for k, v in ranks[0]["comm"][-1].items()
+                                                      if k.endswith("_bytes") and k != "ring_equivalent_bytes"},
         "comm_bytes_per_step_by_op_rank0": {op: v["bytes"] for op, v in ranks[0][comm_key][-1]["by_op"].items()},
         "comm_calls_per_step_by_op_rank0": {op: v["calls"] for op, v in ranks[0][comm_key][-1]["by_op"].items()},
         "comm_bytes_init_per_rank": [r["comm_init"]["bytes"] for r in ranks],

@@ -7,7 +7,10 @@ unit hf_zero's ``engine.comm_stats()`` uses and the ZeRO paper's 2Ψ / 3Ψ volum
 - all-gather: the gathered output (world_size x the local shard);
 - reduce-scatter: the full input being reduced;
 - all-reduce, broadcast, reduce: the tensor;
-- all-to-all: the input; gather / scatter: world_size x the local tensor.
+- all-to-all: the input; gather / scatter: world_size x the local tensor;
+- a point-to-point send (``send`` / ``isend``): the tensor sent. hf_zero's reduce-scatter on
+  gloo is such an exchange ([Note: reduce-scatter on gloo]): the wrapper sees (N-1)/N of the
+  logical size its engine counter reports, in N-1 sends.
 
 This is neither the input size (a 2-rank all-gather's input is half its output) nor wire
 traffic: a ring all-reduce moves about twice what a reduce-scatter of the same tensor does, and
@@ -43,7 +46,7 @@ _C10D_NAMES = (
     "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
     "reduce_scatter_tensor", "reduce_scatter_single", "broadcast", "reduce", "all_to_all",
     "all_to_all_single", "gather", "scatter", "all_reduce_coalesced", "all_gather_coalesced",
-    "_all_gather_base", "_reduce_scatter_base",
+    "_all_gather_base", "_reduce_scatter_base", "send", "isend",
 )
 _FUNCOL_NAMES = (
     "broadcast", "all_reduce", "all_gather_single", "all_gather_single_autograd", "all_gather_tensor",
@@ -64,12 +67,15 @@ _C10D_RULES: dict[str, tuple[str, bool]] = {
     "reduce_scatter_single": ("input", False), "_reduce_scatter_base": ("input", False),
     "all_to_all": ("input_tensor_list", False), "all_to_all_single": ("input", False),
     "gather": ("tensor", True), "scatter": ("tensor", True), "all_reduce_coalesced": ("tensors", False),
+    "send": ("tensor", False), "isend": ("tensor", False),
 }
 
 
 def kind_of(op: str) -> str:
     """all_gather / reduce_scatter / all_reduce / ... : the by-kind breakdown's key."""
     name = op.removeprefix("funcol.").lstrip("_")
+    if name in ("send", "isend"):
+        return "send"
     for kind in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "reduce", "gather", "scatter"):
         if name.startswith(kind):
             return kind

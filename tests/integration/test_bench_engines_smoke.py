@@ -85,7 +85,12 @@ def test_counting_is_consistent(rows: list[dict]) -> None:
     assert ddp["comm_bytes_per_step_per_rank"] == [4 * psi, 4 * psi]
     # hf_zero's own counters and the torch.distributed wrapper count the same logical sizes.
     assert hf_zero["comm_counted_by"] == "engine.comm_stats()"
-    assert hf_zero["comm_bytes_per_step_per_rank"] == hf_zero["comm_bytes_wrapper_per_step_per_rank"]
+    engine = {op: b for op, b in hf_zero["comm_bytes_per_step_by_op_rank0"].items()}
+    wrapper = hf_zero["comm_bytes_wrapper_per_step_by_kind_rank0"]
+    assert wrapper["all_gather"] == engine["all_gather"] and wrapper["all_reduce"] == engine["all_reduce"]
+    # On gloo the reduce-scatter is an exchange ([Note: reduce-scatter on gloo]): at world size 2
+    # each rank sends the half of every gradient buffer it does not own.
+    assert "reduce_scatter" not in wrapper and 2 * wrapper["send"] == engine["reduce_scatter"]
     # DDP holds params + grads + two Adam moments of every parameter (+ step counters).
     assert 16 * psi <= ddp["model_state_bytes_per_rank"][0] <= 16 * psi + 4096
     assert rows[0]["ratios"]["model_state_vs_fsdp2"] is None  # no FSDP2 in this run
