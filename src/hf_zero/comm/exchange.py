@@ -12,9 +12,9 @@ reduce-scatter between 2 CPU ranks took 16-20 ms through torch's and 5.5-6.7 ms 
 Gloo matches the messages between two ranks in the order they were posted, and every rank
 issues the gradient group's reductions in the same order ([Note: two process groups] in
 collectives.py), so exchanges in flight at once cannot take each other's chunks (tested with
-three in flight, waited in reverse). Only the owner
-of a chunk holds its sum, so the order of the additions needs no agreement between ranks. NCCL
-and other backends keep their native reduce-scatter.
+three in flight, waited in reverse). Only the owner of a chunk holds its sum, so the order of
+the additions needs no agreement between ranks. NCCL and other backends keep their native
+reduce-scatter.
 """
 
 from __future__ import annotations
@@ -29,14 +29,15 @@ class ExchangeReduceScatter:
     def __init__(self, shard: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None) -> None:
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         chunks = full.view(world, -1)
-        self._shard, self._rank = shard, rank
+        self._shard, self._rank, self._world = shard, rank, world
         self._own = chunks[rank]
+        # Row i holds the chunk from the i-th peer in rank order.
         self._received = torch.empty((world - 1, shard.numel()), dtype=full.dtype, device=full.device)
-        self._peers = [p for p in range(world) if p != rank]
+        peers = [p for p in range(world) if p != rank]
         self._works: list[dist.Work] = []
-        for slot, peer in enumerate(self._peers):
+        for row, peer in zip(self._received, peers):
             global_peer = dist.get_global_rank(group, peer) if group is not None else peer
-            self._works.append(dist.irecv(self._received[slot], src=global_peer, group=group))
+            self._works.append(dist.irecv(row, src=global_peer, group=group))
             self._works.append(dist.isend(chunks[peer], dst=global_peer, group=group))
         self._summed = False
 
@@ -49,9 +50,8 @@ class ExchangeReduceScatter:
         for work in self._works:
             work.wait()
         # This rank's chunk from every rank, added in rank order: the same order on every run.
-        parts = dict(zip(self._peers, self._received.unbind(0)))
-        parts[self._rank] = self._own
-        ordered = [parts[r] for r in sorted(parts)]
+        rows = iter(self._received)
+        ordered = [self._own if r == self._rank else next(rows) for r in range(self._world)]
         torch.add(ordered[0], ordered[1], out=self._shard)
         for part in ordered[2:]:
             self._shard.add_(part)
