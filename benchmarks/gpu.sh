@@ -1,11 +1,59 @@
 #!/usr/bin/env bash
-# Every GPU benchmark in one command, on a machine with CUDA (NCCL, bf16):
-#   1. bench_engines.py at three sizes (hf_zero 1-3, DDP, FSDP2, DeepSpeed 1-3; tokens/s, MFU
-#      against --peak-tflops, model states, communication) and the scaling table;
-#   2. bench_kernels.py (the Triton kernels: time and fraction of peak HBM bandwidth).
-# Extra arguments go to bench_engines.py (e.g. --peak-tflops 989 --repeats 2 --compile inductor).
-set -euo pipefail
+# Every GPU benchmark in one command, on a machine with CUDA (NCCL, bf16). Each section can also
+# be run on its own: copy its command.
+#   engines     bench_engines.py at three sizes (hf_zero 1-3, DDP, FSDP2, DeepSpeed 1-3; tokens/s, MFU
+#               against --peak-tflops, model states, communication) and the scaling table;
+#   kernels     (a) bench_kernels.py: hf_zero's fused Adam against torch.optim.AdamW(fused=True), GB/s
+#               and fraction of the card's peak HBM bandwidth (the roofline: 28-30 bytes per parameter);
+#   fake_world  (b) bench_one_gpu.py: a stage-3 step of a 1.1B Llama as rank 5 and rank 0 of a fake
+#               world of 8, against the same model's compute-only step (what the execution layer costs);
+#   largest     (c) bench_one_gpu.py --largest: the largest Llama (7B, 3B, 1.1B tried in that order)
+#               that trains on this GPU with offload_optimizer cpu, its tokens/s and its ratio to the
+#               compute-only step (a 7B needs ~14 GB of GPU and ~112 GB of host memory).
+# Usage: benchmarks/gpu.sh [SECTION ...] [-- extra bench_engines.py arguments]
+#   benchmarks/gpu.sh                       # all four
+#   benchmarks/gpu.sh kernels fake_world    # (a) and (b) only
+#   benchmarks/gpu.sh engines -- --peak-tflops 989 --repeats 2 --compile inductor
+# The CUDA test suite is separate: python -m pytest -q tests/distributed/test_cuda_engine.py
+#   tests/kernels/test_cuda.py tests/distributed/test_fake_world.py
+set -uo pipefail
 cd "$(dirname "$0")"
-python -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else "benchmarks/gpu.sh needs a CUDA device")'
-python bench_engines.py --device cuda --sizes small,medium,smollm2 "$@"
-python bench_kernels.py
+python -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else "benchmarks/gpu.sh needs a CUDA device")' || exit 1
+
+sections=()
+while [[ $# -gt 0 && "$1" != "--" ]]; do sections+=("$1"); shift; done
+[[ "${1:-}" == "--" ]] && shift
+[[ ${#sections[@]} -eq 0 ]] && sections=(engines kernels fake_world largest)
+
+# Peak HBM bandwidth of this card in GB/s (datasheet figures), for the kernels' roofline column.
+peak_gbps=$(python - <<'EOF'
+import torch
+name = torch.cuda.get_device_name()
+peaks = [("H200", 4800), ("H100 NVL", 3900), ("H100 PCIe", 2000), ("H100", 3350), ("A100-SXM4-80GB", 2039),
+         ("A100 80GB PCIe", 1935), ("A100", 1555), ("L40S", 864), ("L4", 300)]
+print(next((gbps for key, gbps in peaks if key in name), 3350))
+EOF
+)
+
+failed=()
+run() {  # run SECTION COMMAND...: a failing section is reported at the end; the others still run
+    local section=$1; shift
+    echo "== $section: $*"
+    "$@" || failed+=("$section")
+}
+for section in "${sections[@]}"; do
+    case "$section" in
+        engines) run engines python bench_engines.py --device cuda --sizes small,medium,smollm2 "$@" ;;
+        kernels) run kernels python bench_kernels.py --sizes 16M,128M,512M --peak-gbps "$peak_gbps" ;;
+        fake_world)
+            run fake_world_rank5 python bench_one_gpu.py --model llama-1b --world 8 --rank 5
+            run fake_world_rank0 python bench_one_gpu.py --model llama-1b --world 8 --rank 0 ;;
+        largest) run largest python bench_one_gpu.py --model llama-7b,llama-3b,llama-1b --largest --world 1 \
+                     --offload-optimizer cpu --steps 5 --warmup 2 ;;
+        *) echo "unknown section $section (engines, kernels, fake_world, largest)"; failed+=("$section") ;;
+    esac
+done
+if [[ ${#failed[@]} -gt 0 ]]; then
+    echo "FAILED: ${failed[*]}"
+    exit 1
+fi

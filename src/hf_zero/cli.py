@@ -55,7 +55,7 @@ def _export(args: argparse.Namespace, rest: list[str]) -> int:
 
     try:
         out = export_hf_model(args.ckpt_dir, args.out_dir, tag=args.tag, dtype=args.dtype,
-                              max_shard_size=args.max_shard_size)
+                              max_shard_size=args.max_shard_size, allow_unverified=args.allow_unverified)
     except (CheckpointError, ValueError) as error:
         print(f"hf-zero export: {error}", file=sys.stderr)
         return 1
@@ -94,6 +94,9 @@ def _add_export_and_estimate(sub: argparse._SubParsersAction) -> None:
     export.add_argument("--tag", default=None, help="checkpoint tag (None: the one 'latest' names)")
     export.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="dtype of the saved weights")
     export.add_argument("--max-shard-size", default="5GB", help="largest weights file, e.g. 5GB, 500MB")
+    export.add_argument("--allow-unverified", action="store_true",
+                        help="export a checkpoint without per-tensor checksums (format 1): damaged or substituted "
+                        "weights would not be detected")
     export.set_defaults(func=_export)
     estimate = sub.add_parser("estimate", formatter_class=_FORMATTER,
                               help="per-rank memory for model states under ZeRO stages 1-3 and offload",

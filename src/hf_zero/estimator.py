@@ -21,7 +21,9 @@ stage         compute params              gradients         fp32 master       Ad
 [1] the fp32 copy only when c = 2. [2] zero when c = 4: the fp32 master *is* the parameter
 (see [Note: master aliasing] in engine/flat_group.py). Ψ_p: stage-3 persistent parameters (at
 or under ``stage3_param_persistence_threshold`` elements each), kept whole on every rank.
-Every Ψ is rounded up per flat group to a multiple of ``N x 4`` elements (padding).
+Every Ψ is padded: within a flat group each parameter starts at a multiple of 8 elements, and
+the group ends at a multiple of ``N x 8`` elements ([Note: alignment in flat buffers] in
+partition.py).
 
 So fp32 holds 16Ψ (stage 0), 4Ψ + 12Ψ/N (stages 1-2), 16Ψ/N (stage 3); bf16 holds 20Ψ,
 2Ψ + 16Ψ/N and 18Ψ/N. DeepSpeed's estimators assume 16-bit compute with a separate fp32 master

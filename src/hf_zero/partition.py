@@ -42,9 +42,23 @@ from torch import nn
 
 logger = logging.getLogger("hf_zero")
 
-# Every shard starts on a 16-byte boundary for fp32 (64 for 16-bit is not needed on CPU/NCCL):
-# the padded flat length is a multiple of world_size * SHARD_ALIGNMENT elements.
-SHARD_ALIGNMENT = 4
+# [Note: alignment in flat buffers]
+# Every parameter view and every shard of a flat buffer starts on a 16-byte boundary, for every
+# compute dtype: cuBLAS picks its fast kernels, and inductor copies an input that is not 16-byte
+# aligned, while NCCL and the Triton kernels' aligned variant ([Note: aligned variant] in
+# kernels/triton_common.py) move 16 bytes at a time. The layout is a pure function of the model
+# and the world size (checkpoints record it), not of the dtype, so offsets are counted in
+# elements of the narrowest compute dtype: 8 elements are 16 bytes of bf16/fp16 and 32 bytes of
+# fp32. A parameter's offset is rounded up to a multiple of PARAM_ALIGNMENT elements (the gap is
+# padding, zero like the tail), and the padded length to a multiple of world_size *
+# SHARD_ALIGNMENT elements, so the shards stay equal and each starts aligned too. Flat buffers
+# themselves start aligned (torch allocates at 64 bytes on CPU, 512 on CUDA). The price is at
+# most 7 elements per parameter and 8 x world_size - 1 per group. Checkpoints saved with the
+# earlier layout (parameters back to back, padding to world_size x 4) still load: the loader
+# maps every slot by name ([Note: resharding by name] in checkpoint/reshard.py).
+ALIGNMENT_BYTES = 16
+PARAM_ALIGNMENT = ALIGNMENT_BYTES // 2  # elements of the narrowest (2-byte) compute dtype
+SHARD_ALIGNMENT = ALIGNMENT_BYTES // 2
 
 ROOT_UNIT_NAME = "<root>"
 
@@ -65,12 +79,13 @@ class ParamSlot:
 
 @dataclass(frozen=True)
 class FlatLayout:
-    """A flat 1-D buffer holding several parameters back to back, padded so that it splits in
-    ``world_size`` equal shards. Rank r owns elements [r * shard_numel, (r + 1) * shard_numel)."""
+    """A flat 1-D buffer holding several parameters in order, each starting on an aligned offset
+    and the whole padded so that it splits in ``world_size`` equal aligned shards (see [Note:
+    alignment in flat buffers]). Rank r owns elements [r * shard_numel, (r + 1) * shard_numel)."""
 
     slots: tuple[ParamSlot, ...]
     numel: int  # sum of the parameters' numel: the real data
-    padded_numel: int  # numel rounded up to a multiple of world_size * SHARD_ALIGNMENT
+    padded_numel: int  # the last parameter's end rounded up to a multiple of world_size * SHARD_ALIGNMENT
     world_size: int
 
     @property
@@ -94,25 +109,32 @@ class FlatLayout:
         }
 
 
-def padded_length(numel: int, world_size: int, alignment: int = SHARD_ALIGNMENT) -> int:
-    """``numel`` rounded up to a multiple of ``world_size * alignment`` (at least one chunk, so an
-    empty group still has a well-formed, tiny layout)."""
-    chunk = world_size * alignment
-    return max(chunk, -(-numel // chunk) * chunk)
+def round_up(numel: int, multiple: int) -> int:
+    return -(-numel // multiple) * multiple
+
+
+def padded_length(numel: int, world_size: int, alignment: int | None = None) -> int:
+    """``numel`` rounded up to a multiple of ``world_size * alignment`` (``SHARD_ALIGNMENT`` by
+    default; at least one chunk, so an empty group still has a well-formed, tiny layout)."""
+    chunk = world_size * (SHARD_ALIGNMENT if alignment is None else alignment)
+    return max(chunk, round_up(numel, chunk))
 
 
 def build_flat_layout(
     named_params: Sequence[tuple[str, nn.Parameter]], world_size: int
 ) -> FlatLayout:
-    """Lay the parameters out back to back in the given order."""
+    """Lay the parameters out in the given order, each at an offset that is a multiple of
+    ``PARAM_ALIGNMENT`` elements ([Note: alignment in flat buffers])."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     slots: list[ParamSlot] = []
-    offset = 0
+    end = 0
     for name, param in named_params:
+        offset = round_up(end, PARAM_ALIGNMENT)
         slots.append(ParamSlot(name, tuple(param.shape), offset, param.numel()))
-        offset += param.numel()
-    return FlatLayout(tuple(slots), offset, padded_length(offset, world_size), world_size)
+        end = offset + param.numel()
+    numel = sum(slot.numel for slot in slots)
+    return FlatLayout(tuple(slots), numel, padded_length(end, world_size), world_size)
 
 
 @dataclass

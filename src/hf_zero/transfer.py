@@ -9,8 +9,9 @@ device go through this module and nowhere else, so that each one is ordered corr
   blocking and an event is recorded after it; the function waits on that event before it
   returns, because the caller reads the host data next (a CPU Adam step, an add into a host
   gradient shard). Reading a pinned buffer whose copy has not landed is a silent race on CUDA.
-- host -> device (:func:`to_compute`): issued without blocking on the current stream, so every
-  kernel or collective that later reads the result on that stream runs after it.
+- host -> device (:func:`to_compute`, :func:`to_compute_async`): issued on the copy-in stream;
+  the compute stream waits on its event (or the all-gather that sends it does, see
+  [Note: streams and events] in hf_zero.execution).
 
 Host tensors made by :func:`to_host` are registered as host-store memory. The communicator
 refuses them (``assert_not_host``): a collective on the compute device's backend (NCCL) cannot
@@ -25,6 +26,8 @@ from __future__ import annotations
 import weakref
 
 import torch
+
+from hf_zero.execution import DONE, Completion, execution_for
 
 _HOST_STORAGES: dict[int, int] = {}  # storage data_ptr -> live host tensors registered on it
 
@@ -44,6 +47,19 @@ def mark_host(tensor: torch.Tensor) -> torch.Tensor:
         _HOST_STORAGES[ptr] = _HOST_STORAGES.get(ptr, 0) + 1
         weakref.finalize(tensor, _unregister, ptr)
     return tensor
+
+
+def host_footprint_bytes(tensor: torch.Tensor) -> int:
+    """The host memory ``tensor``'s storage really takes: torch's pinned-memory allocator hands
+    out blocks rounded up to a power of two (a 3 MiB pinned master takes 4 MiB), pageable
+    memory what it asks for."""
+    nbytes = tensor.untyped_storage().nbytes()
+    return pinned_block_bytes(nbytes) if nbytes and tensor.is_pinned() else nbytes
+
+
+def pinned_block_bytes(nbytes: int) -> int:
+    """The block torch's caching host allocator gives a pinned request of ``nbytes``."""
+    return 1 << max(0, nbytes - 1).bit_length() if nbytes else 0
 
 
 def is_host_store(tensor: torch.Tensor) -> bool:
@@ -73,33 +89,44 @@ def to_host(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
     return mark_host(host)
 
 
+def host_snapshot(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
+    """A new host-store copy of ``tensor`` (from the host or a device), complete when returned:
+    never the tensor itself, even when it already lives in host memory."""
+    dst = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin and torch.cuda.is_available())
+    copy_to_host_(dst, tensor)
+    return mark_host(dst)
+
+
 def to_compute(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``tensor`` on the compute ``device``: a new tensor whenever ``tensor`` is host-store memory
     (even on a CPU-only machine), so what reaches a collective is never the host store itself.
-    Host -> device copies are issued on the current stream: later readers on it are ordered."""
+    The compute stream is ordered after the copy: work queued on it next reads the result."""
+    copied, completion = to_compute_async(tensor, device)
+    completion.wait()
+    return copied
+
+
+def to_compute_async(tensor: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, Completion]:
+    """As :func:`to_compute`, with the copy on the copy-in stream: the returned completion must
+    be waited (or passed as a collective's ``after``) before the result is read."""
     if tensor.device == device and not is_host_store(tensor):
-        return tensor
-    if tensor.device == device:
-        return tensor.clone()
-    return tensor.to(device, non_blocking=tensor.is_pinned())
+        return tensor, DONE
+    return execution_for(device).copy_in(tensor, f"host -> {device} copy of {tuple(tensor.shape)}")
 
 
 def copy_to_host_(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)`` for a host ``dst``; returns once the data has landed."""
+    """``dst.copy_(src)`` for a host ``dst``; returns once the data has landed (the event is
+    recorded on the copy-out stream of ``src``'s device, and the host waits on it)."""
     if src.device.type == "cpu":
         dst.copy_(src)
         return
-    dst.copy_(src, non_blocking=dst.is_pinned())
-    if src.device.type == "cuda":
-        event = torch.cuda.Event()
-        event.record()
-        event.synchronize()  # the caller reads dst next
+    execution_for(src.device).copy_out(dst, src, f"{src.device} -> host copy of {tuple(src.shape)}").wait_on_host()
 
 
-def to_host_copy(src: torch.Tensor) -> torch.Tensor:
+def to_host_copy(src: torch.Tensor, pin: bool = True) -> torch.Tensor:
     """A host copy of a compute-device tensor, complete when returned."""
     if src.device.type == "cpu":
         return src
-    dst = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=torch.cuda.is_available())
+    dst = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin and torch.cuda.is_available())
     copy_to_host_(dst, src)
     return dst

@@ -84,3 +84,19 @@ def run_distributed(fn: Callable, world_size: int, *args: Any) -> list[Any]:
             with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
                 results.append(json.load(f)["result"])
         return results
+
+
+def in_group(world: int, port: int, phase: Callable[[str], Any], root: str) -> Any:
+    """Run ``phase(root)`` in a fresh default process group of the first ``world`` processes (the
+    others skip it and return None): one spawn serves several world sizes, so the interpreters
+    and their imports are paid once. ``hf_zero.initialize`` joins the group from the environment."""
+    import torch.distributed as dist
+
+    if int(os.environ["RANK"]) >= world:
+        return None
+    os.environ.update(WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), MASTER_PORT=str(port))
+    try:
+        return phase(root)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -2,7 +2,7 @@
 atomic saves that fail half-way, corrupt checkpoints, export to a Hugging Face folder.
 
 One spawn of three processes runs every scenario in three successive process groups (world
-sizes 2, 3, then 2 again; see ``_in_group``); the checkpoints they write live in one temporary
+sizes 2, 3, then 2 again; see ``launch.in_group``); the checkpoints they write live in one temporary
 directory, so each group reads what the one before wrote at another world size. This process
 then exports the checkpoints and loads them with ``from_pretrained``.
 """
@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from tests.distributed import scenarios as S
-from tests.distributed.launch import free_port, run_distributed
+from tests.distributed.launch import free_port, in_group, run_distributed
 from tests.tiny_models import batch_for_step
 
 FP32_ATOL = 1e-5
@@ -321,27 +321,11 @@ def _phase_world2_again(root: str) -> dict[str, Any]:
     }
 
 
-def _in_group(world: int, port: int, phase: Callable[[str], Any], root: str) -> Any:
-    """Run ``phase`` in a fresh default process group of the first ``world`` processes (the
-    others skip it): one spawn serves world sizes 2, 3 and 2 again, so the interpreters and
-    their imports are paid once. ``hf_zero.initialize`` joins the group from the environment."""
-    import torch.distributed as dist
-
-    if int(os.environ["RANK"]) >= world:
-        return None
-    os.environ.update(WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), MASTER_PORT=str(port))
-    try:
-        return phase(root)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def _all_phases(root: str, ports: list[int]) -> dict[str, Any]:
     return {
-        "w2": _in_group(2, ports[0], _phase_world2, root),
-        "w3": _in_group(3, ports[1], _phase_world3, root),
-        "w2again": _in_group(2, ports[2], _phase_world2_again, root),
+        "w2": in_group(2, ports[0], _phase_world2, root),
+        "w3": in_group(3, ports[1], _phase_world3, root),
+        "w2again": in_group(2, ports[2], _phase_world2_again, root),
     }
 
 

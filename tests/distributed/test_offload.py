@@ -134,9 +134,10 @@ def test_param_offload_keeps_stage3_shards_on_the_host(runs):
 
 
 # Which shards param_nvme_opt_cpu_s3 (max_in_cpu=3000 elements) keeps in host memory, by hand: the
-# tiny GPT-2's blocks have 2895 elements (shards of 2896 at world 1, 1448 at world 2) and its root
-# unit 1965 (1968, 984); the first shards in model order that fit are kept. World 1: block 0
-# (2896 <= 3000; block 1 would make 5792, the root 4864). World 2: both blocks (2896), not the root (3880).
+# tiny GPT-2's blocks are padded to 2928 elements (see PADDED_PSI; shards of 2928 at world 1, 1464
+# at world 2) and its root unit to 1968 (1968, 984); the first shards in model order that fit are
+# kept. World 1: block 0 (2928 <= 3000; block 1 would make 5856, the root 4896). World 2: both
+# blocks (2928), not the root (3912).
 HOST_CACHED_UNITS = {1: {"transformer.h.0"}, 2: {"transformer.h.0", "transformer.h.1"}}
 
 
@@ -204,10 +205,14 @@ def test_ratio_offloads_about_that_share_of_the_optimizer_state(runs, name):
         assert m["compute_params"] == b["compute_params"]
 
 
-# The tiny models' padded element counts Ψ, by hand: every unit is padded to a multiple of 4 x the
-# world size (1 or 2 here). GPT-2: two blocks of 2895 -> 2896 and a root unit (embeddings, final
-# norm) of 1965 -> 1968. Llama: two blocks of 2576 and a root of 3120, already multiples of 8.
-PADDED_PSI = {"gpt2": 2896 + 2896 + 1968, "llama": 2576 + 2576 + 3120}
+# The tiny models' padded element counts Ψ, by hand ([Note: alignment in flat buffers]): every
+# parameter starts at a multiple of 8 elements and every unit is padded to a multiple of 8 x the
+# world size (1 or 2 here). GPT-2 (n_embd 15): a block's parameters, in order, are 15, 15, 675, 45,
+# 225, 15, 15, 15, 900, 60, 900, 15 elements (2895), at offsets 0, 16, 32, 712, 760, 992, 1008,
+# 1024, 1040, 1944, 2008, 2912: it ends at 2927 -> 2928. The root (wte 1455, wpe 480, ln_f 15 + 15)
+# sits at 0, 1456, 1936, 1952 and ends at 1967 -> 1968. Llama: two blocks of 2576, the embedding
+# unit of 1552 and a root (norm 16, lm_head 1552) of 1568: every size is a multiple of 16 already.
+PADDED_PSI = {"gpt2": 2928 + 2928 + 1968, "llama": 2576 + 2576 + 3120}
 
 
 def _hand_offload_bytes(sc: dict[str, Any], world: int) -> tuple[int, int]:
@@ -344,7 +349,7 @@ def test_bad_nvme_path_for_param_offload_is_an_error_before_training(tmp_path, m
     drive.mkdir()
     with pytest.raises(HfZeroConfigError, match="buffer_size") as info:
         initialize(nvme_path=str(drive), buffer_size=100)  # smaller than a unit's shard
-    assert "set buffer_size to at least 2896" in str(info.value)
+    assert "set buffer_size to at least 2928" in str(info.value)  # a block's shard (PADDED_PSI)
     real = shutil.disk_usage
     monkeypatch.setattr(shutil, "disk_usage", lambda path: real(path)._replace(free=1000))
     with pytest.raises(OSError, match="offloaded parameter shards of this rank needs"):
@@ -487,10 +492,10 @@ def _ckpt_world1(root: str) -> dict[str, Any]:
 
 
 def _ckpt_phases(root: str, ports: list[int]) -> dict[str, Any]:
-    from tests.distributed.test_checkpoint import _in_group
+    from tests.distributed.launch import in_group
 
     os.makedirs(NVME_DIR, exist_ok=True)
-    return {"w2": _in_group(2, ports[0], _ckpt_world2, root), "w1": _in_group(1, ports[1], _ckpt_world1, root)}
+    return {"w2": in_group(2, ports[0], _ckpt_world2, root), "w1": in_group(1, ports[1], _ckpt_world1, root)}
 
 
 @pytest.fixture(scope="module")

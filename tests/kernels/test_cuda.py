@@ -1,4 +1,5 @@
-"""The compiled Triton kernels on a real GPU against the reference (skipped without CUDA)."""
+"""The compiled Triton kernels on a real GPU against the reference (skipped loudly without CUDA
+or compiled Triton, see tests/cuda_suite.py)."""
 
 from __future__ import annotations
 
@@ -8,17 +9,25 @@ import torch
 from hf_zero import kernels
 from hf_zero.kernels import dispatch
 from hf_zero.kernels import reference
+from tests.cuda_suite import require_cuda
+from tests.cuda_suite import skip_loudly
 from tests.kernels.helpers import STATE_TOL
 from tests.kernels.helpers import AdamCase
 from tests.kernels.helpers import adam_state
 from tests.kernels.helpers import clone_state
 from tests.kernels.helpers import run_adam
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() or dispatch.INTERPRET or dispatch.TRITON_IMPORT_ERROR is not None,
-    reason="needs CUDA and compiled triton",
-)
 BF16 = torch.bfloat16
+GIB = 1 << 30
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cuda_suite() -> None:
+    require_cuda()
+    if dispatch.INTERPRET:
+        skip_loudly("TRITON_INTERPRET=1 is set, so CPU tensors go through the interpreter, not compiled kernels")
+    if dispatch.TRITON_IMPORT_ERROR is not None:
+        skip_loudly(f"compiled triton is not importable ({dispatch.TRITON_IMPORT_ERROR})")
 
 
 def _cuda(state: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
@@ -60,3 +69,34 @@ def test_norm_on_gpu_matches_reference() -> None:
     torch.testing.assert_close(sqnorm, expected_sqnorm, rtol=1e-5, atol=0.0)
     tensors[1][12345] = float("nan")
     assert kernels.nonfinite_and_sqnorm(tensors)[0].item() is True
+
+
+# Past 2**31 elements an int32 offset wraps: the elements after it would be read and written at
+# the wrong place (or fault). Checked on windows at the start, across 2**31 and at the end, each
+# against the reference run on a copy of the same window taken before the step.
+HUGE_NUMEL = (1 << 31) + 4099
+HUGE_WINDOWS = [(0, 4096), ((1 << 31) - 2048, (1 << 31) + 2048), (HUGE_NUMEL - 4096, HUGE_NUMEL)]
+# fp32 master and moments, bf16 grad and out: 16 bytes an element, plus room for the fills.
+HUGE_BYTES = HUGE_NUMEL * 16 + 2 * GIB
+
+
+def test_adam_past_2_to_the_31_elements_matches_reference() -> None:
+    free, total = torch.cuda.mem_get_info()
+    if free < HUGE_BYTES:
+        skip_loudly(f"the >2**31-element Adam needs {HUGE_BYTES / GIB:.0f} GiB of free GPU memory, "
+                    f"{free / GIB:.0f} of {total / GIB:.0f} GiB are free")
+    case = AdamCase(HUGE_NUMEL, BF16, BF16, 0.1, True, 10, 1024.0, 0.5)
+    state = {"master": torch.randn(HUGE_NUMEL, device="cuda"),
+             "grad": torch.randn(HUGE_NUMEL, device="cuda", dtype=BF16).mul_(case.grad_scale),
+             "exp_avg": torch.randn(HUGE_NUMEL, device="cuda").mul_(0.1),
+             "exp_avg_sq": torch.rand(HUGE_NUMEL, device="cuda").mul_(0.01),
+             "out": torch.full((HUGE_NUMEL,), 7.0, device="cuda", dtype=BF16)}
+    windows = [{name: t[lo:hi].clone() for name, t in state.items()} for lo, hi in HUGE_WINDOWS]
+    assert kernels.backend_for(state["master"]) == "triton"
+    run_adam(kernels.fused_adam_, state, case)
+    torch.cuda.synchronize()
+    for (lo, hi), expected in zip(HUGE_WINDOWS, windows, strict=True):
+        run_adam(reference.fused_adam_, expected, case)
+        for name in ("master", "exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(state[name][lo:hi], expected[name], **STATE_TOL)
+        assert torch.equal(state["out"][lo:hi], state["master"][lo:hi].to(BF16)), (lo, hi)

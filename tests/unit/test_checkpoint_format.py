@@ -19,12 +19,15 @@ from hf_zero.partition import padded_length
 
 
 def _group(label: str, sizes: dict[str, int], world: int) -> dict:
+    """A manifest group record in the layout checkpoints had before parameters were aligned
+    (parameters back to back, padded to a multiple of world x 4), which loads must keep reading:
+    resharding maps slots by name and offset, whatever rule placed them."""
     slots, offset = [], 0
     for name, numel in sizes.items():
         slots.append({"name": name, "shape": [numel], "offset": offset, "numel": numel})
         offset += numel
-    return {"group": label, "slots": slots, "numel": offset, "padded_numel": padded_length(offset, world),
-            "world_size": world}
+    return {"group": label, "slots": slots, "numel": offset,
+            "padded_numel": padded_length(offset, world, alignment=4), "world_size": world}
 
 
 def _gather(groups: list[dict], data: dict[str, list[float]]) -> dict[int, dict[str, list[float]]]:

@@ -25,29 +25,33 @@ class Toy(nn.Module):
 
 
 def test_hand_calculation_stage3_fp32_world2():
-    # 110 -> padded to 112 (a multiple of world 2 x alignment 4), shard 56; root 33 -> 40, shard 20
+    # A unit: weight 100 at 0, bias 10 at 104 (100 rounded up to a multiple of 8), ends at 114 ->
+    # padded to 128 (a multiple of world 2 x alignment 8), shard 64. Root: weight 30 at 0, bias 3
+    # at 32, ends at 35 -> 48, shard 24.
     assert model_state_bytes(Toy(), world_size=2, stage=3, dtype="fp32", persistence_threshold=0) == {
-        "compute_params": (3 * 56 + 20) * 4, "gradients": (3 * 56 + 20) * 4,
-        "fp32_master": 0, "optimizer_state": (3 * 56 + 20) * 8}
+        "compute_params": (3 * 64 + 24) * 4, "gradients": (3 * 64 + 24) * 4,
+        "fp32_master": 0, "optimizer_state": (3 * 64 + 24) * 8}
 
 
 def test_hand_calculation_stage1_bf16_world2():
     assert model_state_bytes(Toy(), world_size=2, stage=1, dtype="bf16") == {
-        "compute_params": (3 * 112 + 40) * 2, "gradients": (3 * 56 + 20) * 4,
-        "fp32_master": (3 * 56 + 20) * 4, "optimizer_state": (3 * 56 + 20) * 8}
+        "compute_params": (3 * 128 + 48) * 2, "gradients": (3 * 64 + 24) * 4,
+        "fp32_master": (3 * 64 + 24) * 4, "optimizer_state": (3 * 64 + 24) * 8}
 
 
 def test_hand_calculation_stage0_bf16_keeps_everything_whole():
-    padded = 3 * 112 + 36  # one shard: padded to multiples of 4 only
+    padded = 3 * 120 + 40  # one shard: ends at 114 and 35 (as above), padded to multiples of 8 only
     assert model_state_bytes(Toy(), world_size=4, stage=0, dtype="bf16") == {
         "compute_params": padded * 2, "gradients": padded * (2 + 4), "fp32_master": padded * 4,
         "optimizer_state": padded * 8}
 
 
 def test_persistent_parameters_stay_whole_under_stage3():
-    # biases (10, 3 elements) are at or under the threshold: kept whole, in their own groups
+    # biases (10, 3 elements) are at or under the threshold: kept whole, in their own groups.
+    # Weights 100 -> 112 (a multiple of 2 x 8), shard 56, and 30 -> 32, shard 16; biases 10 and 3
+    # -> 16 each, shards of 8.
     mem = model_state_bytes(Toy(), world_size=2, stage=3, dtype="fp32", persistence_threshold=10)
-    weights_shard, bias_full, bias_shard = 3 * 52 + 16, 3 * 16 + 8, 3 * 8 + 4
+    weights_shard, bias_full, bias_shard = 3 * 56 + 16, 3 * 16 + 16, 3 * 8 + 8
     assert mem["compute_params"] == (weights_shard + bias_full) * 4
     assert mem["optimizer_state"] == (weights_shard + bias_shard) * 8
     kinds = {(g.unit, g.persistent) for g in group_stats(Toy(), 2, 3, persistence_threshold=10)}
@@ -58,7 +62,7 @@ def test_frozen_parameters_have_no_gradient_or_optimizer_state():
     model = Toy()
     model.layers[0].requires_grad_(False)
     mem = model_state_bytes(model, world_size=2, stage=2, dtype="fp32")
-    assert mem["optimizer_state"] == (2 * 56 + 20) * 8 and mem["compute_params"] == (3 * 112 + 40) * 4
+    assert mem["optimizer_state"] == (2 * 64 + 24) * 8 and mem["compute_params"] == (3 * 128 + 48) * 4
 
 
 @pytest.mark.parametrize("stage,dtype,per_psi", [
@@ -77,14 +81,15 @@ def test_docstring_formulas_hold_exactly_without_padding(stage, dtype, per_psi, 
 def test_offload_moves_master_gradients_and_adam_state_to_the_host():
     rows = estimate_model_states(Toy(), num_gpus_per_node=2, dtype="fp32", stages=(3,), persistence_threshold=0)
     assert [(r.offload_optimizer, r.offload_param) for r in rows] == [(False, False), (True, False), (True, True)]
-    shard, none, opt, both = 3 * 56 + 20, rows[0], rows[1], rows[2]
+    shard, none, opt, both = 3 * 64 + 24, rows[0], rows[1], rows[2]
     assert none.device_bytes == shard * 16 and none.host_bytes == 0
     assert opt.device_bytes == shard * 4 and opt.host_bytes == shard * 16
     assert both.device_bytes == 0 and both.host_bytes == shard * 20
     assert both.host_bytes_per_node == 2 * both.host_bytes
     # Working set at DeepSpeed's defaults: one bucket holds every gradient (packed copy too) and
-    # the reuse distance keeps every unit gathered: (2 x 376 + 112) + 376 elements.
-    assert none.working_bytes == (2 * 376 + 112 + 376) * 4
+    # the reuse distance keeps every unit gathered: (2 x 432 + 128) + 432 elements (3 units of 128
+    # and a root of 48, padded as in test_hand_calculation_stage3_fp32_world2).
+    assert none.working_bytes == (2 * 432 + 128 + 432) * 4
 
 
 def test_working_memory_follows_bucket_and_reuse_settings():
@@ -93,11 +98,12 @@ def test_working_memory_follows_bucket_and_reuse_settings():
                                 working=small)[0]
     # one unit per bucket: open + packed in flight + the unit being differentiated; root + two
     # units gathered
-    assert row.working_bytes == ((2 * 112 + 112) + (40 + 2 * 112)) * 4
+    assert row.working_bytes == ((2 * 128 + 128) + (48 + 2 * 128)) * 4
     capped = WorkingSettings(reduce_bucket_size=200, stage3_max_live_parameters=100)
     row = estimate_model_states(Toy(), num_gpus_per_node=2, dtype="fp32", stages=(3,), persistence_threshold=0,
                                 working=capped)[0]
-    assert row.working_bytes == ((2 * 312 + 112) + (100 + 112)) * 4
+    # bucket min(432, 200 + 128) = 328; gathered min(432, 100 + 128) = 228
+    assert row.working_bytes == ((2 * 328 + 128) + (100 + 128)) * 4
 
 
 def test_stage1_and_2_rows_and_the_table():
@@ -142,8 +148,10 @@ def test_each_row_names_its_formula_and_the_papers():
     assert by[(3, False, False)].formula == "18Ψ/N" and by[(3, False, False)].paper_formula == "16Ψ/N"
     assert by[(3, True, False)].formula == "2Ψ/N" and by[(3, True, False)].paper_formula == "-"
     assert by[(3, True, True)].formula == "0 (persistent only)"
-    padded = by[(3, False, False)].device_bytes / (18 * psi / 4)
-    assert 1.0 <= padded < 1.1  # the formula is the row's bytes up to padding
+    # The formula is the row's bytes up to padding: at N = 4 a unit ends at 114 (see the hand
+    # calculations above) and is padded to 128, the root ends at 35 and is padded to 64.
+    padded_psi = 3 * 128 + 64
+    assert psi == 3 * 110 + 33 and by[(3, False, False)].device_bytes == 18 * padded_psi // 4
     table = format_table(rows)
     assert "ZeRO paper" in table.splitlines()[0] and "2Ψ + 16Ψ/N" in table
     fp32 = estimate_model_states(Toy(), num_gpus_per_node=4, dtype="fp32", stages=(0, 2), persistence_threshold=0)

@@ -7,25 +7,28 @@ import torch
 from torch import nn
 
 from hf_zero.partition import (
-    ROOT_UNIT_NAME, SHARD_ALIGNMENT, build_flat_layout, padded_length, plan_units,
+    PARAM_ALIGNMENT, ROOT_UNIT_NAME, SHARD_ALIGNMENT, build_flat_layout, padded_length, plan_units,
 )
 from tests.tiny_models import tiny_bert_classifier, tiny_gpt2, tiny_llama
 
 
 def test_padded_length_hand_calculation():
-    assert SHARD_ALIGNMENT == 4
-    assert padded_length(10, 1) == 12
-    assert padded_length(10, 2) == 16  # chunk of 8
-    assert padded_length(10, 3) == 12  # chunk of 12
-    assert padded_length(24, 3) == 24
-    assert padded_length(0, 2) == 8  # an empty group still has one well-formed chunk
+    assert SHARD_ALIGNMENT == 8 and PARAM_ALIGNMENT == 8  # 16 bytes of bf16/fp16
+    assert padded_length(10, 1) == 16  # chunk of 8
+    assert padded_length(10, 2) == 16  # chunk of 16
+    assert padded_length(10, 3) == 24  # chunk of 24
+    assert padded_length(25, 3) == 48
+    assert padded_length(10, 3, alignment=4) == 12  # the layout before alignment (old checkpoints)
+    assert padded_length(0, 2) == 16  # an empty group still has one well-formed chunk
 
 
 def test_flat_layout_offsets_and_shards():
     params = [("a", nn.Parameter(torch.zeros(3, 5))), ("b", nn.Parameter(torch.zeros(7)))]
     layout = build_flat_layout(params, world_size=3)
+    # a: 15 elements at 0; b starts at 16 (15 rounded up to a multiple of 8) and ends at 23;
+    # 23 rounded up to a multiple of 3 x 8 is 24: shards of 8.
     assert [(s.name, s.offset, s.numel, s.shape) for s in layout.slots] == [
-        ("a", 0, 15, (3, 5)), ("b", 15, 7, (7,))]
+        ("a", 0, 15, (3, 5)), ("b", 16, 7, (7,))]
     assert layout.numel == 22 and layout.padded_numel == 24 and layout.shard_numel == 8
     assert [layout.shard_range(r) for r in range(3)] == [(0, 8), (8, 16), (16, 24)]
     with pytest.raises(ValueError, match="rank 3"):

@@ -170,19 +170,21 @@ def export_hf_model(
     tag: str | None = None,
     dtype: str = "fp32",
     max_shard_size: int | str = "5GB",
+    allow_unverified: bool = False,
 ) -> str:
     """Write ``out_dir`` as a Hugging Face model folder (``config.json``, ``model.safetensors`` or
     shards plus ``model.safetensors.index.json``) from the checkpoint ``ckpt_dir`` (a save
     directory with ``latest``, or one checkpoint directory) without the model's code and without
     holding more than one parameter in memory (see [Note: streamed export]). ``dtype`` is
     "fp32", "bf16" or "fp16". An existing ``out_dir`` is replaced only once the new export is
-    complete (see [Note: staged export]). Returns ``out_dir``."""
+    complete (see [Note: staged export]). A checkpoint without per-tensor checksums (format 1)
+    is refused unless ``allow_unverified=True`` (see [Note: verified loads]). Returns ``out_dir``."""
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"dtype {dtype!r}: expected one of {sorted(EXPORT_DTYPES)}")
     torch_dtype = EXPORT_DTYPES[dtype]
     source = resolve_checkpoint_dir(ckpt_dir, tag)
-    manifest = read_manifest(source)
-    files = RankFiles(source, manifest)
+    manifest = read_manifest(source, allow_unverified)
+    files = RankFiles(source, manifest, allow_unverified)
     with manifest_errors(source):
         _check_rank_files(files, manifest)
         streamer = _Streamer(files, index_saved_slots(manifest["groups"]))

@@ -1,16 +1,19 @@
 """``load_checkpoint``: any saved world size and stage into this engine's layout.
 
 [Note: checked, then applied]
-Loading runs in two phases. The first only reads: it resolves the tag, reads the manifest,
-checks that the checkpoint holds this model (every parameter name and shape), plans which
-slices of which rank files fill this rank's shards (see [Note: resharding by name]), verifies
-every tensor it will read (see [Note: verified loads]) and decodes the run state (optimizer
-hyperparameters and scalars, scheduler, loss scaler, RNG), trying the scheduler, scaler and RNG
-states on their objects and putting the current ones back, so a state they refuse is found
-here. All ranks then exchange their outcome, so a problem seen by one rank is raised by every
-rank, and the engine is untouched. Only then does the second phase copy data in: masters (or, for frozen groups, the compute shards), the 16-bit compute shards cast from the
-loaded masters, the full parameters re-gathered for stages 0-2 and persistent groups, the
-optimizer state, buffers, scheduler, loss scaler, counters and RNG states.
+Loading runs in two phases. The first only reads: it resolves the tag and every path inside the
+checkpoint folder (see [Note: confined paths]), reads the manifest, checks the values it will
+apply (see [Note: validated run state]), checks that the checkpoint holds this model (every
+parameter name and shape), plans which slices of which rank files fill this rank's shards (see
+[Note: resharding by name]), verifies every tensor it will read (see [Note: verified loads])
+and decodes the run state (optimizer hyperparameters and scalars, scheduler, loss scaler, RNG),
+trying the scheduler, scaler and RNG states on their objects and putting the current ones back,
+so a state they refuse is found here. All ranks then exchange their outcome, so a problem seen
+by one rank is raised by every rank, and the engine is untouched. Only then does the second
+phase copy data in: masters (or, for frozen groups, the compute shards), the 16-bit compute
+shards cast from the loaded masters, the full parameters re-gathered for stages 0-2 and
+persistent groups, the optimizer state (placed as torch places it: see ``optimizer_value_on``),
+buffers, scheduler, loss scaler, counters and RNG states.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from hf_zero.checkpoint.engine_state import EngineState, flat_groups
 from hf_zero.checkpoint.errors import CheckpointError
 from hf_zero.checkpoint.manifest import (
     BUFFER_PREFIX, MANIFEST_NAME, OPTIM_PREFIX, PARAM_KEY, capture_rng, decode_state, manifest_errors,
-    optimizer_value_on, persistent_buffers, read_manifest, resolve_checkpoint_dir, restore_rng, tensor_name,
+    optimizer_value_on, param_group_of, persistent_buffers, read_manifest, resolve_checkpoint_dir, restore_rng,
+    tensor_name,
 )
 from hf_zero.checkpoint.offloaded import (
     check_streamed_keys, is_streamed, load_streamed_optimizer, load_streamed_parameters,
@@ -35,6 +39,7 @@ from hf_zero.checkpoint.offloaded import (
 from hf_zero.checkpoint.reader import RankFiles
 from hf_zero.checkpoint.reshard import Piece, SavedSlot, index_saved_slots, plan_pieces
 from hf_zero.checkpoint.safetensors_io import TAG_DTYPES
+from hf_zero.checkpoint.validate import check_run_state
 from hf_zero.checkpoint.whole_state import (
     WholeRead, apply_whole_state, expected_tensors, plan_whole_state, whole_params_of,
 )
@@ -128,18 +133,21 @@ def _check_optimizer(engine: EngineState, manifest: dict[str, Any], manifest_pat
 
 
 def _plan(engine: EngineState, load_dir: str | os.PathLike[str], tag: str | None, load_optimizer: bool,
-          load_scheduler: bool, module_only: bool) -> _Plan:
+          load_scheduler: bool, module_only: bool, allow_unverified: bool) -> _Plan:
     ckpt_dir = resolve_checkpoint_dir(load_dir, tag)
-    manifest = read_manifest(ckpt_dir)
+    manifest = read_manifest(ckpt_dir, allow_unverified)
     with manifest_errors(ckpt_dir):
-        plan = _plan_reads(engine, ckpt_dir, manifest, load_optimizer)
+        check_run_state(manifest, os.path.join(ckpt_dir, MANIFEST_NAME), counters=not module_only,
+                        optimizer_groups=engine.optimizer.inner.param_groups if load_optimizer else None)
+        plan = _plan_reads(engine, ckpt_dir, manifest, load_optimizer, allow_unverified)
         if not module_only:
             plan.run_state = _decode_run_state(engine, manifest, load_optimizer, load_scheduler)
             _try_run_state(engine, plan.run_state, os.path.join(ckpt_dir, MANIFEST_NAME))
     return plan
 
 
-def _plan_reads(engine: EngineState, ckpt_dir: str, manifest: dict[str, Any], load_optimizer: bool) -> _Plan:
+def _plan_reads(engine: EngineState, ckpt_dir: str, manifest: dict[str, Any], load_optimizer: bool,
+                allow_unverified: bool) -> _Plan:
     manifest_path = os.path.join(ckpt_dir, MANIFEST_NAME)
     saved = index_saved_slots(manifest["groups"])
     _check_same_model(engine, saved, manifest["model"]["class"], manifest_path)
@@ -153,14 +161,15 @@ def _plan_reads(engine: EngineState, ckpt_dir: str, manifest: dict[str, Any], lo
         source = saved[group.layout.slots[0].name].group_index
         record = manifest["groups"][source]
         dtypes = {key: TAG_DTYPES[record["tensors"][OPTIM_PREFIX + key]] for key in keys}
-        scalars = decode_state(record.get("optimizer_scalars") or {}) if keys else {}
+        encoded = record.get("optimizer_scalars") or {}
+        scalars = decode_state(encoded, f"groups[{source}].optimizer_scalars") if keys else {}
         if not isinstance(scalars, dict):
             raise CheckpointError(f"{manifest_path}: optimizer_scalars of {record['group']} is not an object")
         plans.append(_GroupPlan(group, pieces, source, keys, dtypes, scalars))
     saved_buffers = {b["name"] for b in manifest["model"].get("buffers", [])}
     buffers = [(n, b) for n, b in persistent_buffers(engine.module) if n in saved_buffers]
     whole_reads = plan_whole_state(engine, manifest, manifest_path) if load_optimizer else []
-    files = RankFiles(ckpt_dir, manifest)
+    files = RankFiles(ckpt_dir, manifest, allow_unverified)
     _check_files(files, manifest, plans, buffers)
     for index, expected in sorted(expected_tensors(whole_reads).items()):
         files.check(index, expected)
@@ -183,7 +192,7 @@ def _check_files(files: RankFiles, manifest: dict[str, Any], plans: list[_GroupP
 
 
 def _decode_run_state(engine: EngineState, manifest: dict[str, Any], load_optimizer: bool, load_scheduler: bool) -> _RunState:
-    hyper = decode_state(manifest["optimizer"]["param_groups"]) if load_optimizer else None
+    hyper = decode_state(manifest["optimizer"]["param_groups"], "optimizer.param_groups") if load_optimizer else None
     if hyper is not None and not all(isinstance(h, dict) for h in hyper):
         raise TypeError("optimizer.param_groups must be a list of objects")
     saved_scheduler = manifest.get("lr_scheduler")
@@ -191,33 +200,53 @@ def _decode_run_state(engine: EngineState, manifest: dict[str, Any], load_optimi
     if load_scheduler and engine.lr_scheduler is not None and saved_scheduler is not None:
         if saved_scheduler["class"] != type(engine.lr_scheduler).__name__:
             logger.warning("hf_zero: loading %s state into a %s", saved_scheduler["class"], type(engine.lr_scheduler).__name__)
-        scheduler = decode_state(saved_scheduler["state"])
+        scheduler = decode_state(saved_scheduler["state"], "lr_scheduler.state")
+        _check_scheduler_keys(engine.lr_scheduler, scheduler)
     saved_scaler = manifest.get("loss_scaler")
-    scaler = decode_state(saved_scaler["state"]) if saved_scaler is not None else None
+    scaler = decode_state(saved_scaler["state"], "loss_scaler.state") if saved_scaler is not None else None
     rng = manifest.get("rng") or []
-    counters = (int(manifest["global_steps"]), int(manifest["micro_steps"]), int(manifest["global_samples"]))
+    counters = (manifest["global_steps"], manifest["micro_steps"], manifest["global_samples"])  # checked ints
     return _RunState(hyper, scheduler, scaler, rng[engine.rank] if engine.rank < len(rng) else None, counters)
 
 
-def _try_state(what: str, manifest_path: str, current: Any, apply: Callable[[Any], None], saved: Any) -> None:
-    """Apply ``saved`` then put ``current`` back: a state the object refuses is found now."""
+def _check_scheduler_keys(scheduler: Any, saved: Any) -> None:
+    """Scheduler state keys from a closed list, the scheduler's own: torch's
+    ``LRScheduler.load_state_dict`` turns every key into an attribute, so an unknown key would
+    plant one (a callable, a value a later step trips on)."""
+    if not isinstance(saved, dict):
+        raise TypeError(f"lr_scheduler.state is a {type(saved).__name__}, not an object")
+    extra = sorted(str(k) for k in saved if k not in scheduler.state_dict())
+    if extra:
+        raise ValueError(f"lr_scheduler.state holds keys {extra[:5]} that {type(scheduler).__name__}.state_dict() "
+                         "does not have; load with load_lr_scheduler_states=False, or use the scheduler it was saved with")
+
+
+def _try_state(what: str, manifest_path: str, current: Any, apply: Callable[[Any], None], saved: Any,
+               owner: Any = None) -> None:
+    """Apply ``saved`` then put ``current`` back: a state the object refuses is found now. The
+    attributes of ``owner`` are restored as they were too (a ``load_state_dict`` that adds
+    attributes would otherwise leave them behind)."""
+    attributes = getattr(owner, "__dict__", {})
+    names = set(attributes)
     try:
         apply(saved)
     except Exception as exc:
         raise CheckpointError(f"{manifest_path}: the saved {what} does not load ({type(exc).__name__}: {exc})") from exc
     finally:
         apply(current)
+        for name in set(attributes) - names:
+            del attributes[name]
 
 
 def _try_run_state(engine: EngineState, run: _RunState, manifest_path: str) -> None:
     scheduler = engine.lr_scheduler
     if run.scheduler is not None:
         _try_state("lr_scheduler state", manifest_path, copy.deepcopy(scheduler.state_dict()),
-                   scheduler.load_state_dict, run.scheduler)
+                   scheduler.load_state_dict, run.scheduler, owner=scheduler)
     scaler = engine.optimizer.loss_scaler if engine.optimizer is not None else None
     if scaler is not None and run.scaler is not None:
         _try_state("loss scaler state", manifest_path, copy.deepcopy(scaler.state_dict()),
-                   scaler.load_state_dict, run.scaler)
+                   scaler.load_state_dict, run.scaler, owner=scaler)
     if run.rng is not None:
         _try_state(f"RNG state of rank {engine.rank}", manifest_path, capture_rng(), restore_rng, run.rng)
 
@@ -276,8 +305,9 @@ def _load_optimizer(engine: EngineState, plan: _Plan, hyper_groups: list[dict[st
         for key in item.optim_keys:
             state[key] = torch.zeros(master.shape, dtype=item.optim_dtypes[key], device=master.device)
             _fill(state[key], item.pieces, OPTIM_PREFIX + key, plan.files)
+        param_group = param_group_of(inner, master)  # its saved flags: see optimizer_value_on
         for key, value in item.optim_scalars.items():
-            state[key] = optimizer_value_on(master.device, key, value)
+            state[key] = optimizer_value_on(master, key, value, param_group)
         inner.state[master] = state
     apply_whole_state(engine, plan.whole_reads, plan.files)
 
@@ -305,19 +335,23 @@ def load_checkpoint(
     load_optimizer_states: bool = True,
     load_lr_scheduler_states: bool = True,
     load_module_only: bool = False,
+    allow_unverified: bool = False,
 ) -> tuple[str, Any]:
     """Load a checkpoint saved at any world size and stage; see [Note: checked, then applied].
 
     ``tag`` defaults to the one ``load_dir/latest`` names. ``load_module_only`` loads the
     parameters (and buffers) only: optimizer, scheduler, loss scaler, counters and RNG keep
     their current state. Returns ``(checkpoint directory, client_state)``. Every rank must call
-    it; a missing, truncated or mismatched checkpoint raises :class:`CheckpointError` on every
-    rank and changes nothing.
+    it; a missing, truncated, mismatched or edited checkpoint raises :class:`CheckpointError` on
+    every rank and changes nothing. A checkpoint without per-tensor checksums (format 1) is
+    refused unless ``allow_unverified=True``: the risk of loading data nothing can verify
+    (see [Note: verified loads]).
     """
     load_optimizer = load_optimizer_states and not load_module_only and engine.optimizer is not None
     plan, local_error = None, None
     try:
-        plan = _plan(engine, load_dir, tag, load_optimizer, load_lr_scheduler_states, load_module_only)
+        plan = _plan(engine, load_dir, tag, load_optimizer, load_lr_scheduler_states, load_module_only,
+                     allow_unverified)
     except CheckpointError as exc:
         local_error = exc
     _agree(engine.comm, local_error)

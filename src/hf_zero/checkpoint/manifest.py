@@ -11,15 +11,17 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import math
 import os
 import random
-import re
 from typing import Any, Iterator, Mapping
 
 import torch
 from torch import nn
 
 from hf_zero.checkpoint.errors import CheckpointError, CheckpointNotFoundError
+from hf_zero.checkpoint.paths import is_plain_name, resolve_inside
+from hf_zero.checkpoint.safetensors_io import DTYPE_TAGS
 
 FORMAT = "hf_zero.checkpoint"
 FORMAT_VERSION = 2  # 2: per-tensor dtype, shape and SHA-256 in "files"; rank and world size in each file
@@ -29,7 +31,14 @@ BUFFER_PREFIX = "buffer/"
 PARAM_KEY = "param"
 OPTIM_PREFIX = "optim."
 _SMALL_TENSOR_NUMEL = 4096  # larger non-elementwise optimizer/scheduler tensors are refused
-_TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+=@-]*$")
+# The dtypes a manifest may name (small tensors and dtype values in run state): those a
+# safetensors file holds. A name is looked up here, never on the torch module, so a manifest
+# cannot make decoding return torch.load or any other attribute of torch.
+STATE_DTYPES: dict[str, torch.dtype] = {str(dtype).removeprefix("torch."): dtype for dtype in DTYPE_TAGS}
+# JSON nested deeper than this is refused with one error instead of a RecursionError; hf_zero
+# writes about 6 levels, and client_state is held to the same bound when it is saved.
+MAX_JSON_DEPTH = 64
+_LATEST_BYTES = 4096  # a tag name is short; a larger 'latest' is not one
 
 
 def rank_file_name(index: int, count: int) -> str:
@@ -41,7 +50,8 @@ def tensor_name(label: str, key: str) -> str:
 
 
 def check_tag(tag: str) -> None:
-    if tag == LATEST_NAME or not _TAG_RE.match(tag):
+    """The rule for tags, on save and on load (see [Note: confined paths])."""
+    if tag == LATEST_NAME or not is_plain_name(tag):
         raise CheckpointError(
             f"checkpoint tag {tag!r} is not usable as a directory name: use letters, digits and "
             "_ . + = @ - (not starting with '.' or '-', and not 'latest'), e.g. 'global_step100'"
@@ -54,6 +64,8 @@ def encode_state(value: Any, path: str) -> Any:
     keys, torch dtypes and small tensors are tagged so :func:`decode_state` restores them exactly."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
+    if isinstance(value, (torch.Tensor, torch.dtype)):
+        _check_state_dtype(value.dtype if isinstance(value, torch.Tensor) else value, path)
     if isinstance(value, torch.Tensor):
         if value.numel() > _SMALL_TENSOR_NUMEL:
             raise CheckpointError(f"{path}: a tensor of {value.numel()} elements is too large for the manifest")
@@ -77,43 +89,121 @@ def encode_state(value: Any, path: str) -> Any:
     )
 
 
-def decode_state(value: Any) -> Any:
+def _check_state_dtype(dtype: torch.dtype, path: str) -> None:
+    """Saving writes only what loading decodes (see STATE_DTYPES)."""
+    if dtype not in DTYPE_TAGS:
+        raise CheckpointError(f"{path}: dtype {dtype} cannot be stored in a checkpoint manifest "
+                              f"(one of {', '.join(STATE_DTYPES)})")
+
+
+def _state_dtype(name: Any, path: str) -> torch.dtype:
+    if not isinstance(name, str) or name not in STATE_DTYPES:
+        raise ValueError(f"{path}: {name!r:.80} is not a dtype a checkpoint holds (one of {', '.join(STATE_DTYPES)})")
+    return STATE_DTYPES[name]
+
+
+def _decode_tensor(spec: Any, path: str) -> torch.Tensor:
+    """A small tensor of run state, its dtype from the closed list and its size bounded."""
+    if not isinstance(spec, dict):
+        raise ValueError(f"{path}.__tensor__ is not an object")
+    dtype = _state_dtype(spec.get("dtype"), f"{path}.__tensor__.dtype")
+    shape, data = spec.get("shape"), spec.get("data")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise ValueError(f"{path}.__tensor__.shape is {shape!r:.80}, not a list of sizes")
+    numel = math.prod(shape)
+    if numel > _SMALL_TENSOR_NUMEL or not isinstance(data, list) or len(data) != numel:
+        raise ValueError(f"{path}.__tensor__: data of {type(data).__name__} does not hold the {numel} elements of "
+                         f"shape {shape} (at most {_SMALL_TENSOR_NUMEL} in a manifest)")
+    if not all(isinstance(x, (int, float)) for x in data):  # bool is an int; strings and objects are not numbers
+        raise ValueError(f"{path}.__tensor__.data holds something other than numbers")
+    try:
+        return torch.tensor(data, dtype=dtype).reshape(shape)
+    except (RuntimeError, OverflowError) as exc:  # a value out of the dtype's range
+        raise ValueError(f"{path}.__tensor__.data does not fit {spec['dtype']}: {exc}") from exc
+
+
+def decode_state(value: Any, path: str = "state") -> Any:
+    """The inverse of :func:`encode_state`. Only data comes out: tensors and dtypes from
+    STATE_DTYPES, tuples, dicts; a malformed tag raises ValueError naming ``path``, which
+    :func:`manifest_errors` turns into a :class:`CheckpointError` naming the manifest."""
     if isinstance(value, list):
-        return [decode_state(v) for v in value]
+        return [decode_state(v, f"{path}[{i}]") for i, v in enumerate(value)]
     if not isinstance(value, dict):
         return value
     if "__tensor__" in value:
-        spec = value["__tensor__"]
-        dtype = getattr(torch, spec["dtype"])
-        return torch.tensor(spec["data"], dtype=dtype).reshape(spec["shape"])
+        return _decode_tensor(value["__tensor__"], path)
     if "__dtype__" in value:
-        return getattr(torch, value["__dtype__"])
+        return _state_dtype(value["__dtype__"], f"{path}.__dtype__")
     if "__tuple__" in value:
-        return tuple(decode_state(v) for v in value["__tuple__"])
+        if not isinstance(value["__tuple__"], list):
+            raise ValueError(f"{path}.__tuple__ is not a list")
+        return tuple(decode_state(v, f"{path}[{i}]") for i, v in enumerate(value["__tuple__"]))
     if "__items__" in value:
-        return {decode_state(k): decode_state(v) for k, v in value["__items__"]}
-    return {k: decode_state(v) for k, v in value.items()}
+        return _decode_items(value["__items__"], path)
+    return {k: decode_state(v, f"{path}.{k}") for k, v in value.items()}
 
 
-def optimizer_value_on(device: torch.device, key: str, value: Any) -> Any:
-    """A decoded optimizer-state value, placed as torch keeps it: the 0-d ``step`` on the CPU
-    (unless capturable), other tensors with the parameter they belong to."""
-    return value.to(device) if isinstance(value, torch.Tensor) and key != "step" else value
+def _decode_items(items: Any, path: str) -> dict[Any, Any]:
+    if not isinstance(items, list) or not all(isinstance(kv, list) and len(kv) == 2 for kv in items):
+        raise ValueError(f"{path}.__items__ is not a list of [key, value] pairs")
+    decoded = {}
+    for key, item in items:
+        key = decode_state(key, path)
+        if not isinstance(key, (str, int, float, bool, type(None))):
+            raise ValueError(f"{path}.__items__ has a key of type {type(key).__name__}")
+        decoded[key] = decode_state(item, f"{path}[{key!r}]")
+    return decoded
 
 
-def check_plain_json(value: Any, path: str = "client_state") -> None:
-    """Refuse anything ``json.dumps`` would refuse, naming where it is."""
+def param_group_of(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> Mapping[str, Any]:
+    """The param group ``param`` steps in (by identity: tensors compare element-wise)."""
+    for group in optimizer.param_groups:
+        if any(p is param for p in group["params"]):
+            return group
+    raise RuntimeError(f"a {tuple(param.shape)} master is in no param group of {type(optimizer).__name__}; "
+                       "load checkpoints into the engine hf_zero.initialize built, whose optimizer holds every master")
+
+
+def optimizer_value_on(param: torch.Tensor, key: Any, value: Any, param_group: Mapping[str, Any]) -> Any:
+    """A decoded optimizer-state value placed exactly as ``torch.optim.Optimizer.load_state_dict``
+    places it (``_process_value_according_to_param_policy``), so a resumed optimizer steps as
+    one torch loaded itself: ``step`` stays where it was decoded (the CPU) unless the group is
+    ``fused`` or ``capturable``, whose kernels read it on the parameter's device as float32
+    (a CPU step makes a CUDA fused AdamW fail on its first step after a resume); any other
+    tensor goes to the parameter's device, cast to its dtype when the parameter is floating.
+    ``param_group`` is the group after the saved hyperparameters were applied: torch reads the
+    flags from the saved groups too. Containers are walked as torch walks them."""
+    if isinstance(value, torch.Tensor):
+        if key == "step":
+            special = param_group.get("fused", False) or param_group.get("capturable", False)
+            return value.to(dtype=torch.float32, device=param.device) if special else value
+        if param.is_floating_point():
+            return value.to(dtype=param.dtype, device=param.device)
+        return value.to(device=param.device)
+    if isinstance(value, dict):
+        return {k: optimizer_value_on(param, k, v, param_group) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(optimizer_value_on(param, None, v, param_group) for v in value)
+    return value
+
+
+def check_plain_json(value: Any, path: str = "client_state", depth: int = 0) -> None:
+    """Refuse anything ``json.dumps`` would refuse, or loading would (deeper than
+    MAX_JSON_DEPTH), naming where it is."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return
+    if depth >= MAX_JSON_DEPTH - 2 and isinstance(value, (list, tuple, dict)):  # the manifest adds 2 levels
+        raise CheckpointError(f"{path} is nested more than {MAX_JSON_DEPTH - 2} levels deep; flatten it "
+                              "(a checkpoint manifest is refused past that depth when it is read)")
     if isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
-            check_plain_json(item, f"{path}[{i}]")
+            check_plain_json(item, f"{path}[{i}]", depth + 1)
         return
     if isinstance(value, dict):
         for key, item in value.items():
             if not isinstance(key, str):
                 raise CheckpointError(f"{path} has a key {key!r} of type {type(key).__name__}; JSON keys are strings")
-            check_plain_json(item, f"{path}[{key!r}]")
+            check_plain_json(item, f"{path}[{key!r}]", depth + 1)
         return
     raise CheckpointError(
         f"{path} is a {type(value).__name__}, which is not JSON: client_state must hold only dicts "
@@ -228,14 +318,24 @@ def describe_model(module: nn.Module) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- reading
+def _confined_tag_dir(save_dir: str, name: str) -> str | None:
+    """The real path of ``save_dir/name`` when it is a complete checkpoint inside ``save_dir``
+    (links that leave are skipped, not followed: see [Note: confined paths])."""
+    if not is_plain_name(name) or name == LATEST_NAME:
+        return None
+    try:
+        tag_dir = resolve_inside(os.path.realpath(save_dir), name, name)
+        manifest = resolve_inside(tag_dir, MANIFEST_NAME, name)
+    except (CheckpointError, OSError):
+        return None
+    return tag_dir if os.path.isfile(manifest) else None
+
+
 def list_tags(save_dir: str) -> list[str]:
     """Complete checkpoints in ``save_dir`` (temporary directories of unfinished saves excluded)."""
     if not os.path.isdir(save_dir):
         return []
-    return sorted(
-        name for name in os.listdir(save_dir)
-        if not name.startswith(".") and os.path.isfile(os.path.join(save_dir, name, MANIFEST_NAME))
-    )
+    return sorted(name for name in os.listdir(save_dir) if _confined_tag_dir(save_dir, name) is not None)
 
 
 def _tags_note(save_dir: str) -> str:
@@ -243,26 +343,51 @@ def _tags_note(save_dir: str) -> str:
     return f"checkpoints present: {', '.join(tags)}" if tags else "no complete checkpoint is present"
 
 
+def _read_latest(load_dir: str, root: str) -> str | None:
+    """The tag ``load_dir/latest`` names; None when there is no ``latest``. Its content must be
+    a tag name and nothing else (see [Note: confined paths])."""
+    latest = os.path.join(load_dir, LATEST_NAME)
+    if not os.path.isfile(resolve_inside(root, LATEST_NAME, latest)):
+        return None
+    with open(latest, "rb") as handle:
+        raw = handle.read(_LATEST_BYTES + 1)
+    try:
+        tag = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        tag = repr(raw[:40])
+    if not tag:
+        raise CheckpointError(f"{latest}: empty; pass tag=... ({_tags_note(load_dir)})")
+    if len(raw) > _LATEST_BYTES or tag == LATEST_NAME or not is_plain_name(tag):
+        raise CheckpointError(
+            f"{latest}: holds {tag[:80]!r}, which is not a tag name (a folder name of letters, digits and "
+            "_ . + = @ -; no '/', no '..', not an absolute path): it was edited or damaged; write the tag "
+            f"of a checkpoint in {load_dir} into it, or pass tag=... ({_tags_note(load_dir)})"
+        )
+    return tag
+
+
 def resolve_checkpoint_dir(load_dir: str | os.PathLike[str], tag: str | None) -> str:
     """The directory of the checkpoint to read: ``load_dir/tag``, ``load_dir/<latest>``, or
-    ``load_dir`` itself when it is a checkpoint directory (it holds a manifest)."""
+    ``load_dir`` itself when it is a checkpoint directory (it holds a manifest). The tag (given
+    or read from ``latest``) obeys the rule of saving, and the tag folder resolves inside
+    ``load_dir`` (see [Note: confined paths])."""
     load_dir = os.path.abspath(os.fspath(load_dir))
     if not os.path.isdir(load_dir):
         raise CheckpointNotFoundError(f"{load_dir}: no such checkpoint directory")
+    root = os.path.realpath(load_dir)
     if tag is None:
-        latest = os.path.join(load_dir, LATEST_NAME)
-        if not os.path.isfile(latest):
-            if os.path.isfile(os.path.join(load_dir, MANIFEST_NAME)):
+        tag = _read_latest(load_dir, root)
+        if tag is None:
+            if os.path.isfile(resolve_inside(root, MANIFEST_NAME, os.path.join(load_dir, MANIFEST_NAME))):
                 return load_dir
             raise CheckpointNotFoundError(
-                f"{latest}: not found, so there is no default tag; pass tag=... ({_tags_note(load_dir)})"
+                f"{os.path.join(load_dir, LATEST_NAME)}: not found, so there is no default tag; pass tag=... "
+                f"({_tags_note(load_dir)})"
             )
-        with open(latest, encoding="utf-8") as handle:
-            tag = handle.read().strip()
-        if not tag:
-            raise CheckpointError(f"{latest}: empty; pass tag=... ({_tags_note(load_dir)})")
-    ckpt_dir = os.path.join(load_dir, str(tag))
-    if not os.path.isdir(ckpt_dir):
+    tag = str(tag)
+    check_tag(tag)
+    ckpt_dir = os.path.join(load_dir, tag)
+    if not os.path.isdir(resolve_inside(root, tag, ckpt_dir)):
         raise CheckpointNotFoundError(f"{ckpt_dir}: no checkpoint with tag {tag!r} in {load_dir} ({_tags_note(load_dir)})")
     if not os.path.isfile(os.path.join(ckpt_dir, MANIFEST_NAME)):
         raise CheckpointError(f"{os.path.join(ckpt_dir, MANIFEST_NAME)}: missing, so {ckpt_dir} is not a complete checkpoint")
@@ -272,11 +397,54 @@ def resolve_checkpoint_dir(load_dir: str | os.PathLike[str], tag: str | None) ->
 _REQUIRED = ("format_version", "tag", "save_id", "world_size", "stage", "groups", "files", "model")
 
 
-def read_manifest(ckpt_dir: str) -> dict[str, Any]:
-    path = os.path.join(ckpt_dir, MANIFEST_NAME)
+def _json_depth_exceeds(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests deeper than ``limit`` (iterative: no recursion limit to hit)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return False
+
+
+def _load_json(path: str) -> Any:
     try:
         with open(path, encoding="utf-8") as handle:
-            manifest = json.load(handle)
+            data = json.load(handle)
+    except RecursionError as exc:  # the decoder's own limit, before MAX_JSON_DEPTH is checked
+        raise CheckpointError(f"{path}: nested more than {MAX_JSON_DEPTH} levels deep: not a manifest hf_zero wrote") from exc
+    if _json_depth_exceeds(data, MAX_JSON_DEPTH):
+        raise CheckpointError(f"{path}: nested more than {MAX_JSON_DEPTH} levels deep: not a manifest hf_zero wrote")
+    return data
+
+
+def check_format_version(version: Any, path: str, allow_unverified: bool) -> None:
+    """Integrity is the reader's decision, not the file's: a manifest without per-tensor
+    checksums (format 1, or a newer one downgraded by an edit) is refused unless the caller
+    accepts loading unverified data by name."""
+    if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= FORMAT_VERSION:
+        newer = isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION
+        raise CheckpointError(
+            f"{path}: format version {version!r:.40} is not one this hf_zero reads (1 to {FORMAT_VERSION}); "
+            + ("upgrade hf_zero" if newer else "the manifest was edited or damaged")
+        )
+    if version < 2 and not allow_unverified:
+        raise CheckpointError(
+            f"{path}: format version {version} records no checksums, so its rank files cannot be verified (flipped "
+            "bytes, NaNs or substituted weights would load); re-save it, or pass allow_unverified=True "
+            "(hf-zero export --allow-unverified) to load it without verification at your own risk"
+        )
+
+
+def read_manifest(ckpt_dir: str, allow_unverified: bool = False) -> dict[str, Any]:
+    """The checked manifest of ``ckpt_dir``: its structure (types, counts, plain file names)
+    and its format (see :func:`check_format_version`)."""
+    path = os.path.join(ckpt_dir, MANIFEST_NAME)
+    resolve_inside(os.path.realpath(ckpt_dir), MANIFEST_NAME, path)
+    try:
+        manifest = _load_json(path)
     except FileNotFoundError as exc:
         raise CheckpointNotFoundError(f"{path}: missing, so {ckpt_dir} is not a complete checkpoint") from exc
     except (OSError, ValueError) as exc:
@@ -286,11 +454,7 @@ def read_manifest(ckpt_dir: str) -> dict[str, Any]:
     missing = [k for k in _REQUIRED if k not in manifest]
     if missing:
         raise CheckpointError(f"{path}: manifest lacks {missing}")
-    if not isinstance(manifest["format_version"], int) or manifest["format_version"] > FORMAT_VERSION:
-        raise CheckpointError(
-            f"{path}: format version {manifest['format_version']!r} is not one this hf_zero reads "
-            f"(1 to {FORMAT_VERSION}); upgrade hf_zero"
-        )
+    check_format_version(manifest["format_version"], path, allow_unverified)
     problems = structure_problems(manifest)
     if problems:
         shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
@@ -331,6 +495,10 @@ def structure_problems(manifest: dict[str, Any]) -> list[str]:
     if not isinstance(files, list) or not all(
             isinstance(f, dict) and isinstance(f.get("name"), str) and _is_int(f.get("bytes")) for f in files):
         return ["files must be a list of {\"name\", \"bytes\"} objects"]
+    outside = [f"files[{i}].name {f['name']!r:.80}" for i, f in enumerate(files) if not is_plain_name(f["name"])]
+    if outside:  # refused before any lookup: see [Note: confined paths]
+        return [f"{', '.join(outside[:3])} is not a plain file name inside the checkpoint folder (no '/', no '..', "
+                "not absolute)"]
     if not isinstance(groups, list):
         return ["groups must be a list"]
     if manifest["format_version"] >= 2 and not all(isinstance(f.get("tensors"), dict) for f in files):

@@ -11,7 +11,10 @@ save), the header's dtype and shape are the manifest's, the bytes hash to the re
 (flipped bytes, swapped offsets, data from elsewhere), and parameters and optimizer state are
 finite (a run that diverged before it saved). Every error names the file, the tensor and what
 differed. Verifying reads the data once more than loading does (the page cache usually serves
-the second read); checkpoints of format 1 have no digests and skip that part with a warning.
+the second read). Whether data must be verified is the reader's decision, never the file's: a
+tensor the manifest records no digest for (format 1) is refused unless the caller passed
+``allow_unverified=True``, and even then its values are checked to be finite. Each file's path
+is resolved inside the checkpoint folder before it is looked at (see [Note: confined paths]).
 """
 
 from __future__ import annotations
@@ -26,10 +29,16 @@ from safetensors import safe_open
 
 from hf_zero.checkpoint.errors import CheckpointError, CheckpointNotFoundError
 from hf_zero.checkpoint.manifest import BUFFER_PREFIX, MANIFEST_NAME
+from hf_zero.checkpoint.paths import is_plain_name, resolve_inside
 from hf_zero.checkpoint.safetensors_io import TAG_DTYPES, read_header_and_data_start
 
 logger = logging.getLogger("hf_zero")
 _VERIFY_CHUNK_BYTES = 16 << 20  # a multiple of every element size
+
+
+def _nonfinite(path: str, name: str) -> CheckpointError:
+    return CheckpointError(f"{path}: tensor {name!r} holds inf or nan values: the run had diverged when it was "
+                           "saved; load an earlier checkpoint")
 
 
 class RankFiles:
@@ -39,9 +48,12 @@ class RankFiles:
     export closes them after every parameter so that no more than one parameter's pages stay
     mapped."""
 
-    def __init__(self, ckpt_dir: str, manifest: Mapping[str, Any]) -> None:
+    def __init__(self, ckpt_dir: str, manifest: Mapping[str, Any], allow_unverified: bool = False) -> None:
         self.ckpt_dir = ckpt_dir
         self.manifest = manifest
+        self.allow_unverified = allow_unverified  # see [Note: verified loads]
+        self._root = os.path.realpath(ckpt_dir)
+        self._confined: set[int] = set()
         self.headers: dict[int, dict[str, dict]] = {}
         self._data_start: dict[int, int] = {}
         self._verified: set[tuple[int, str]] = set()
@@ -49,9 +61,18 @@ class RankFiles:
 
     def path(self, index: int) -> str:
         files = self.manifest["files"]
+        manifest_path = os.path.join(self.ckpt_dir, MANIFEST_NAME)
         if not 0 <= index < len(files):
-            raise CheckpointError(f"{os.path.join(self.ckpt_dir, MANIFEST_NAME)}: no rank file {index}")
-        return os.path.join(self.ckpt_dir, files[index]["name"])
+            raise CheckpointError(f"{manifest_path}: no rank file {index}")
+        name = files[index]["name"]
+        if not is_plain_name(name):  # read_manifest refuses these; a manifest built by hand may not have been read
+            raise CheckpointError(f"{manifest_path}: files[{index}].name {name!r:.80} is not a plain file name inside "
+                                  "the checkpoint folder (no '/', no '..', not absolute)")
+        path = os.path.join(self.ckpt_dir, name)
+        if index not in self._confined:
+            resolve_inside(self._root, name, path)
+            self._confined.add(index)
+        return path
 
     def check(self, index: int, expected: Mapping[str, int]) -> None:
         """Raise a :class:`CheckpointError` naming the file unless it holds every tensor in
@@ -112,9 +133,7 @@ class RankFiles:
             return
         recorded = (self.manifest["files"][index].get("tensors") or {}).get(name)
         if recorded is None:
-            if self.manifest.get("format_version", 1) >= 2:
-                raise CheckpointError(f"{path}: tensor {name!r} is not listed in the manifest")
-            logger.warning("hf_zero: %s: format 1 checkpoint, %s is not checksummed", path, name)
+            self._check_unverified(index, path, name, spec)
         else:
             if spec["dtype"] != recorded["dtype"] or list(spec["shape"]) != list(recorded["shape"]):
                 raise CheckpointError(
@@ -128,11 +147,23 @@ class RankFiles:
                     f"records {recorded['sha256'][:16]}...): the file is corrupted; restore it from a copy or load another checkpoint"
                 )
             if not finite:
-                raise CheckpointError(
-                    f"{path}: tensor {name!r} holds inf or nan values: the run had diverged when it was saved; "
-                    "load an earlier checkpoint"
-                )
+                raise _nonfinite(path, name)
         self._verified.add((index, name))
+
+    def _check_unverified(self, index: int, path: str, name: str, spec: Mapping[str, Any]) -> None:
+        """A tensor without a recorded digest: refused unless the caller accepted the risk, and
+        then at least finite."""
+        if self.manifest.get("format_version") != 1:
+            raise CheckpointError(f"{path}: tensor {name!r} is not listed in the manifest")
+        if not self.allow_unverified:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has no checksum in the manifest, so it cannot be verified; load "
+                "another checkpoint, or pass allow_unverified=True if this one is known to be intact"
+            )
+        logger.warning("hf_zero: %s: format 1 checkpoint, %s is not checksummed (allow_unverified=True)", path, name)
+        _, finite = self._hash(index, path, spec, check_finite=not name.startswith(BUFFER_PREFIX))
+        if not finite:
+            raise _nonfinite(path, name)
 
     def _hash(self, index: int, path: str, spec: Mapping[str, Any], check_finite: bool) -> tuple[str, bool]:
         dtype = TAG_DTYPES[spec["dtype"]]

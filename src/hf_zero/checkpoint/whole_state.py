@@ -22,7 +22,7 @@ import torch
 
 from hf_zero.checkpoint.engine_state import EngineState
 from hf_zero.checkpoint.errors import CheckpointError
-from hf_zero.checkpoint.manifest import decode_state, encode_state, optimizer_value_on
+from hf_zero.checkpoint.manifest import decode_state, encode_state, optimizer_value_on, param_group_of
 from hf_zero.checkpoint.reader import RankFiles
 from hf_zero.checkpoint.safetensors_io import DTYPE_TAGS, TAG_DTYPES, TensorEntry
 
@@ -101,7 +101,7 @@ def plan_whole_state(engine: EngineState, manifest: Mapping[str, Any], manifest_
             reads.append(WholeRead(master, name, None, {}, {}))
             continue
         tensors = {key: (TAG_DTYPES[t["dtype"]], tuple(t["shape"])) for key, t in spec["tensors"].items()}
-        scalars = decode_state(spec.get("scalars") or {})
+        scalars = decode_state(spec.get("scalars") or {}, f"{MANIFEST_KEY}[{name!r}].scalars")
         if not isinstance(scalars, dict):
             raise CheckpointError(f"{manifest_path}: {MANIFEST_KEY}[{name!r}].scalars is not an object")
         reads.append(WholeRead(master, name, int(spec["file"]) if tensors else None, tensors, scalars))
@@ -128,6 +128,7 @@ def apply_whole_state(engine: EngineState, reads: list[WholeRead], files: RankFi
         for key, (dtype, shape) in read.tensors.items():
             data = files.read(read.file_index, whole_tensor_name(read.name, key))
             state[key] = data.to(device=read.master.device, dtype=dtype).reshape(shape)
+        param_group = param_group_of(whole.inner, read.master)
         for key, value in read.scalars.items():
-            state[key] = optimizer_value_on(read.master.device, key, value)
+            state[key] = optimizer_value_on(read.master, key, value, param_group)
         whole.inner.state[read.master] = state

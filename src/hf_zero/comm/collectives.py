@@ -26,6 +26,9 @@ from torch.autograd.profiler import record_function
 
 from hf_zero.comm.exchange import ExchangeReduceScatter
 from hf_zero.comm.process_group import leave_gloo_groups_at_exit
+from hf_zero.execution import (
+    AsyncOrderError, Completion, WrongDeviceError, check_launch, execution_for, late_completion, rank_device,
+)
 from hf_zero.transfer import assert_not_host
 
 
@@ -39,16 +42,6 @@ class Handle(Protocol):
     def wait(self) -> object: ...
 
     def is_completed(self) -> bool: ...
-
-
-class _DoneHandle:
-    """What an async collective returns when there was nothing to wait for."""
-
-    def wait(self) -> None:
-        return None
-
-    def is_completed(self) -> bool:
-        return True
 
 
 # [Note: two process groups]
@@ -71,7 +64,11 @@ def _make_grad_group(group: dist.ProcessGroup | None, timeout_s: float | None) -
     if key not in _GRAD_GROUPS:
         ranks = dist.get_process_group_ranks(group) if group is not None else None
         kwargs = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
-        _GRAD_GROUPS[key] = dist.new_group(ranks=ranks, **kwargs)
+        _GRAD_GROUPS[key] = made = dist.new_group(ranks=ranks, **kwargs)
+        if dist.get_backend(made) == "nccl":
+            # Make the NCCL communicator now, at initialize, on every rank together: created
+            # lazily, it would be made inside the first backward's first reduce-scatter.
+            dist.all_reduce(torch.zeros(1, device=rank_device()), group=made)
 
 
 class CollectiveError(RuntimeError):
@@ -102,17 +99,28 @@ def _describe_failure(comm: "Communicator", kind: str, label: str, exc: BaseExce
     )
 
 
-class _ReportingHandle:
-    """An async collective's handle whose ``wait`` reports a failure like the blocking calls."""
+def _is_backend_failure(exc: RuntimeError) -> bool:
+    """A failure of the collective itself, not one of hf_zero's own checks (which name what they
+    found: a described failure, an asynchronous-order or a wrong-device error)."""
+    return not isinstance(exc, (CollectiveError, AsyncOrderError, WrongDeviceError))
 
-    def __init__(self, work: Handle, comm: "Communicator", kind: str, label: str) -> None:
+
+class _ReportingHandle:
+    """An async collective's completion whose ``wait`` reports a failure like the blocking calls."""
+
+    def __init__(self, work: Completion, comm: "Communicator", kind: str, label: str) -> None:
         self.work, self.comm, self.kind, self.label = work, comm, kind, label
 
-    def wait(self) -> object:
+    def wait(self, stream: object = None) -> None:
         try:
-            return self.work.wait()
+            self.work.wait(stream)
         except RuntimeError as exc:
+            if not _is_backend_failure(exc):
+                raise
             raise _describe_failure(self.comm, self.kind, self.label, exc) from exc
+
+    def wait_on_host(self) -> None:
+        self.wait()
 
     def is_completed(self) -> bool:
         return self.work.is_completed()
@@ -156,6 +164,9 @@ class Communicator:
             _make_grad_group(group, timeout_s)
             leave_gloo_groups_at_exit(release_own_references=_GRAD_GROUPS.clear)
         self.stats = CommStats()
+        # When a list: every collective issued, in issue order, as (kind, label): what
+        # [Note: one order for both groups] is checked against.
+        self.trace: list[tuple[str, str]] | None = None
         self.timeout_s = timeout_s  # the collective timeout hf_zero set, if it did (see [Note: collective errors])
         self.where: Callable[[], str] = lambda: "initialize"  # the engine points this at its counters
         self._reduce_scatter_by_exchange = self.world_size > 1 and dist.get_backend(self.grad_group) == "gloo"
@@ -165,6 +176,8 @@ class Communicator:
         try:
             yield
         except RuntimeError as exc:  # torch's DistBackendError is one
+            if not _is_backend_failure(exc):
+                raise
             raise _describe_failure(self, kind, label, exc) from exc
 
     @property
@@ -182,42 +195,77 @@ class Communicator:
         size 1 too, so single-process tests see the mistake): [Note: host-device transfers]."""
         for tensor in tensors:
             assert_not_host(tensor, f"collective {label!r}")
+            check_launch(tensor, f"collective {label!r}", strict=late_completion())
+
+    def _count(self, kind: str, label: str, tensor: torch.Tensor) -> None:
+        self.stats.add(kind, tensor)
+        if self.trace is not None:
+            self.trace.append((kind, label))
 
     def reset_stats(self) -> None:
         self.stats = CommStats()
 
     def all_gather_into(
-        self, output: torch.Tensor, shard: torch.Tensor, label: str, async_op: bool = False
+        self, output: torch.Tensor, shard: torch.Tensor, label: str, async_op: bool = False,
+        after: tuple[Completion, ...] = (),
     ) -> Handle:
         """``output`` (world_size x shard numel) receives every rank's ``shard``, rank-major.
-        ``shard`` may be this rank's slice of ``output`` (in place)."""
+        ``shard`` may be this rank's slice of ``output`` (in place). ``after``: completions the
+        shard depends on (its copy from the host). Runs on the all-gather stream ([Note: streams
+        and events] in hf_zero.execution)."""
         self._check(label, output, shard)
-        if not self.active:
-            if output.data_ptr() != shard.data_ptr():
-                output.copy_(shard)
-            return _DoneHandle()
-        self.stats.add("all_gather", output)
-        with record_function(f"hf_zero::all_gather::{label}"), self._reporting("all-gather", label):
-            work = _ALL_GATHER(output, shard, group=self.group, async_op=async_op)
-        return _ReportingHandle(work, self, "all-gather", label) if async_op else _DoneHandle()
+        if self.active:
+            self._count("all_gather", label, output)
+
+        def issue(out: torch.Tensor, inp: torch.Tensor, async_: bool) -> object:
+            if not self.active:
+                if out.data_ptr() != inp.data_ptr():
+                    out.copy_(inp)
+                return None
+            with record_function(f"hf_zero::all_gather::{label}"), self._reporting("all-gather", label):
+                return _ALL_GATHER(out, inp, group=self.group, async_op=async_)
+
+        return self._run("all_gather", "all-gather", label, output, shard, issue, async_op, after)
 
     def reduce_scatter_into(
-        self, shard: torch.Tensor, full: torch.Tensor, label: str, async_op: bool = False
+        self, shard: torch.Tensor, full: torch.Tensor, label: str, async_op: bool = False,
+        op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
     ) -> Handle:
-        """``shard`` receives this rank's chunk of the element-wise sum of every rank's ``full``."""
+        """``shard`` receives this rank's chunk of the element-wise reduction (``op``: SUM, or AVG
+        where the backend has it) of every rank's ``full``. Runs on the reduce-scatter stream
+        ([Note: streams and events] in hf_zero.execution)."""
         self._check(label, shard, full)
-        if not self.active:
-            shard.copy_(full)
-            return _DoneHandle()
-        self.stats.add("reduce_scatter", full)
-        with record_function(f"hf_zero::reduce_scatter::{label}"), self._reporting("reduce-scatter", label):
-            if self._reduce_scatter_by_exchange and full.device.type == "cpu":
-                work = ExchangeReduceScatter(shard, full, self.grad_group)  # [Note: reduce-scatter on gloo]
-                if not async_op:
-                    work.wait()
-            else:
-                work = _REDUCE_SCATTER(shard, full, group=self.grad_group, async_op=async_op)
-        return _ReportingHandle(work, self, "reduce-scatter", label) if async_op else _DoneHandle()
+        exchange = self._reduce_scatter_by_exchange and full.device.type == "cpu"
+        if exchange and op != dist.ReduceOp.SUM:
+            raise NotImplementedError(
+                f"hf_zero: reduce-scatter {label!r} with {op} on gloo: the gloo exchange sums only "
+                "(this is a bug in hf_zero: the caller should have divided first)")
+        if self.active:
+            self._count("reduce_scatter", label, full)
+
+        def issue(out: torch.Tensor, inp: torch.Tensor, async_: bool) -> object:
+            if not self.active:
+                out.copy_(inp)
+                return None
+            with record_function(f"hf_zero::reduce_scatter::{label}"), self._reporting("reduce-scatter", label):
+                if exchange:
+                    work = ExchangeReduceScatter(out, inp, self.grad_group)  # [Note: reduce-scatter on gloo]
+                    if not async_:
+                        work.wait()
+                        return None
+                    return work
+                return _REDUCE_SCATTER(out, inp, op=op, group=self.grad_group, async_op=async_)
+
+        return self._run("reduce_scatter", "reduce-scatter", label, shard, full, issue, async_op)
+
+    def _run(self, stream_kind: str, kind: str, label: str, output: torch.Tensor, input: torch.Tensor,
+             issue: Callable[[torch.Tensor, torch.Tensor, bool], object], async_op: bool,
+             after: tuple[Completion, ...] = ()) -> Handle:
+        execution = execution_for(output.device)
+        with self._reporting(kind, label):
+            completion = execution.collective(stream_kind, f"{kind} {label!r}", output, input, issue,
+                                              async_op, after)
+        return _ReportingHandle(completion, self, kind, label)
 
     def all_reduce_(
         self, tensor: torch.Tensor, label: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
@@ -227,7 +275,7 @@ class Communicator:
         groups])."""
         self._check(label, tensor)
         if self.active:
-            self.stats.add("all_reduce", tensor)
+            self._count("all_reduce", label, tensor)
             with record_function(f"hf_zero::all_reduce::{label}"), self._reporting("all-reduce", label):
                 dist.all_reduce(tensor, op=op, group=self.grad_group if grads else self.group)
         return tensor
@@ -235,7 +283,7 @@ class Communicator:
     def broadcast_(self, tensor: torch.Tensor, src: int, label: str) -> torch.Tensor:
         self._check(label, tensor)
         if self.active:
-            self.stats.add("broadcast", tensor)
+            self._count("broadcast", label, tensor)
             with record_function(f"hf_zero::broadcast::{label}"), self._reporting("broadcast", label):
                 dist.broadcast(tensor, src=src, group=self.group)
         return tensor

@@ -14,6 +14,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from hf_zero.execution import bind_device, rank_device
+
 logger = logging.getLogger("hf_zero")
 
 _LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -32,19 +34,19 @@ def default_backend(device: torch.device) -> str:
 
 def default_device() -> torch.device:
     """The device a rank computes on: its local CUDA device if there is one, else the CPU."""
-    if torch.cuda.is_available():
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    return torch.device("cpu")
+    return rank_device()
 
 
 def ensure_process_group(device: torch.device, timeout_s: float | None = None) -> bool:
-    """Join the default process group if a launcher asked for one.
+    """Join the default process group if a launcher asked for one, and bind the calling thread
+    to ``device`` either way ([Note: the launching thread's device] in hf_zero.execution): a
+    script that created the group itself (without ``torch.cuda.set_device``) gets it set here.
 
     Returns True when a process group is in use. With no launcher environment at all (a
     notebook, a plain ``python train.py``) hf_zero runs as world size 1 with no process group, so
     nothing else is needed. A partial environment is an error: guessing would hang.
     """
+    bind_device(device)
     if dist.is_available() and dist.is_initialized():
         return True
     present = [k for k in _LAUNCHER_ENV if k in os.environ]
@@ -56,9 +58,16 @@ def ensure_process_group(device: torch.device, timeout_s: float | None = None) -
             f"hf_zero found launcher variables {present} but not {missing}; start the script "
             "with torchrun / accelerate launch, set all four, or unset them to run as one process"
         )
+    kwargs: dict[str, Any] = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
     if device.type == "cuda":
-        torch.cuda.set_device(device)
-    kwargs = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+        # NCCL's communicator is made now, on this device, not lazily inside the first
+        # collective (which may be a backward hook). torch's default error handling (3,
+        # SkipCleanUp) tears the process down from the watchdog thread on a failed or timed-out
+        # collective; 2 (CleanUpOnly) aborts the communicators and raises in the rank's wait, where
+        # hf_zero names the rank, collective, unit and step ([Note: collective errors] in
+        # collectives.py). A user's own setting wins.
+        kwargs["device_id"] = device
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     dist.init_process_group(backend=default_backend(device), **kwargs)
     _created.update(group=dist.group.WORLD, timeout_s=timeout_s)
     logger.info(

@@ -7,14 +7,15 @@ a collective has a fixed cost, so groups are bucketed the way DeepSpeed's ``redu
 and ``allgather_bucket_size`` buckets work:
 
 - Gradients: a group of ``IN_PLACE_NUMEL`` elements or more is reduce-scattered alone, in
-  place (pre-divided by the world size in its own buffer: no copy). The smaller ones are
-  bucketed in a fixed order (see [Note: buckets in a fixed order]); a bucket holds at least
-  ``reduce_bucket_size`` elements (but the last); it is packed rank-major with
-  ``kernels.pack_for_reduce_scatter`` (pre-divided by the world size and cast to the reduce
-  dtype in the same pass) and reduce-scattered once; rank r receives its shard of every group
-  back to back. The full gradients are freed as soon as they are packed, so a bucket in flight
-  holds one packed copy, not the groups' buffers. ``reduce_bucket_size`` 0 gives one collective
-  per group; a bucket of one group skips the pack and reduces in place.
+  place (from its own buffer: no copy). The smaller ones are bucketed in a fixed order (see
+  [Note: buckets in a fixed order]); a bucket holds at least ``reduce_bucket_size`` elements
+  (but the last); it is packed rank-major with ``kernels.pack_for_reduce_scatter`` (cast to the
+  reduce dtype, and pre-divided where one is due, in the same pass) and reduce-scattered once;
+  rank r receives its shard of every group back to back. Where the division by the world size
+  happens is [Note: averaging gradients over ranks] (engine/grad_average.py). The full
+  gradients are freed as soon as they are packed, so a bucket in flight holds one packed copy,
+  not the groups' buffers. ``reduce_bucket_size`` 0 gives one collective per group; a bucket of
+  one group skips the pack and reduces in place.
 - Updated parameters (after the step): a group of ``IN_PLACE_NUMEL`` elements or more is
   all-gathered alone, in place (its shard is a view of its full buffer: no copy at all); the
   smaller ones, up to ``allgather_bucket_size`` elements, send their shards concatenated in one
@@ -37,6 +38,7 @@ import torch
 
 from hf_zero.comm import Communicator, Handle
 from hf_zero.engine.flat_group import FlatParamGroup, PendingReduce
+from hf_zero.engine.grad_average import plan_average
 from hf_zero.engine.unit import GradState, ZeroUnit
 from hf_zero.kernels import pack_for_reduce_scatter, unpack_after_all_gather
 
@@ -52,6 +54,7 @@ class PendingBucket:
     handle: Handle | None = None
     received: torch.Tensor | None = None
     send: torch.Tensor | None = None  # the collective's input, alive until it completes
+    divisor: int = 1  # the received part is still divided by this ([Note: averaging gradients over ranks])
 
     def is_completed(self) -> bool:
         """Whether waiting would return at once."""
@@ -85,12 +88,13 @@ def start_bucket(
         group.prepare_grads()  # zeros for a group that got no gradient this backward
     send = torch.empty(sum(g.layout.padded_numel for g in groups), dtype=reduce_dtype,
                        device=groups[0].grad_full.device)
-    pack_for_reduce_scatter([g.grad_full for g in groups], world, send, scale=1.0 / world)
+    average = plan_average(reduce_dtype, comm, send.device)
+    pack_for_reduce_scatter([g.grad_full for g in groups], world, send, scale=1.0 / average.pre_divisor)
     for group in groups:
         group.release_grads()  # packed: the full gradients are no longer needed
     received = torch.empty(send.numel() // world, dtype=reduce_dtype, device=send.device)
-    handle = comm.reduce_scatter_into(received, send, label=_bucket_label(groups), async_op=async_op)
-    return PendingBucket(groups, handle=handle, received=received, send=send)
+    handle = comm.reduce_scatter_into(received, send, label=_bucket_label(groups), async_op=async_op, op=average.op)
+    return PendingBucket(groups, handle=handle, received=received, send=send, divisor=average.post_divisor)
 
 
 def finish_bucket(pending: PendingBucket) -> None:
@@ -105,7 +109,7 @@ def finish_bucket(pending: PendingBucket) -> None:
     for group in pending.groups:
         numel = group.layout.shard_numel
         part = pending.received[offset : offset + numel]
-        group.accumulate_grad_shard(part)
+        group.accumulate_grad_shard(part, pending.divisor)
         offset += numel
 
 

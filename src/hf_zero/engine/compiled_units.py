@@ -19,6 +19,15 @@ eager past Dynamo's cache limit (8). A training forward never reads that cache, 
 a training forward (module in train mode, grad enabled, no ``use_cache`` or ``past_key_values``
 passed) runs with ``use_cache=False``, as Transformers itself does under gradient checkpointing;
 evaluation and ``generate`` keep the cache, and the saved config is untouched.
+
+[Note: no CUDA graphs under stage 3]
+A CUDA graph (``mode="reduce-overhead"`` and ``"max-autotune"``, inductor's
+``options={"triton.cudagraphs": True}``, the ``cudagraphs`` backend) replays the kernels it
+recorded on the memory addresses it recorded. Stage 3 gathers each unit's parameters into a
+buffer allocated for that unit's forward and freed after it, at a new address every step (see
+[Note: views into flat buffers] in flat_group.py): a replay would read whatever lives at the
+old address by then. So ``engine.compile`` refuses these at stage 3, before compiling anything;
+the other modes compile as above, and stages 0-2 keep their parameters in place.
 """
 
 from __future__ import annotations
@@ -40,8 +49,46 @@ def is_compiled(module: nn.Module) -> bool:
     return _MARK in module.__dict__
 
 
-def compile_units(unit_modules: list[nn.Module], backend: str, compile_kwargs: dict[str, Any]) -> int:
-    """Compile the forward of every unit module not compiled yet; returns how many were."""
+def cuda_graphs_requested(backend: str, compile_kwargs: dict[str, Any]) -> str | None:
+    """What in a ``torch.compile`` call records CUDA graphs (as the user wrote it), or None."""
+    if backend == "cudagraphs":
+        return 'backend="cudagraphs"'
+    if backend != "inductor":
+        return None
+    import torch._inductor.config  # what engine.compile imports anyway; not at hf_zero's import
+
+    options = compile_kwargs.get("options") or {}
+    if options.get("triton.cudagraphs"):
+        return 'options={"triton.cudagraphs": True}'
+    mode = compile_kwargs.get("mode")
+    try:
+        mode_options = torch._inductor.list_mode_options(mode) if mode else {}
+    except RuntimeError:  # an unknown mode: torch.compile names the valid ones
+        mode_options = {}
+    if mode_options.get("triton.cudagraphs"):
+        return f"mode={mode!r}"
+    if "triton.cudagraphs" not in options and torch._inductor.config.triton.cudagraphs:
+        return "torch._inductor.config.triton.cudagraphs = True"
+    return None
+
+
+def refuse_cuda_graphs_at_stage3(stage: int, backend: str, compile_kwargs: dict[str, Any]) -> None:
+    """[Note: no CUDA graphs under stage 3]."""
+    requested = cuda_graphs_requested(backend, compile_kwargs)
+    if stage == 3 and requested is not None:
+        raise NotImplementedError(
+            f"engine.compile with {requested} records CUDA graphs, which replay fixed memory addresses, but ZeRO "
+            "stage 3 gathers every unit's parameters into a new buffer each step and frees it after the unit: "
+            "CUDA graphs at stage 3 are not supported. Compile without them: engine.compile(compile_kwargs="
+            "{'mode': 'default'}) or {'mode': 'max-autotune-no-cudagraphs'} (the Trainer: torch_compile_mode), "
+            "with neither options['triton.cudagraphs'], torch._inductor.config.triton.cudagraphs nor "
+            "backend='cudagraphs'; or train at stage 2, whose parameters stay in place.")
+
+
+def compile_units(unit_modules: list[nn.Module], backend: str, compile_kwargs: dict[str, Any], stage: int) -> int:
+    """Compile the forward of every unit module not compiled yet; returns how many were. Refuses
+    CUDA graphs at stage 3 before compiling anything ([Note: no CUDA graphs under stage 3])."""
+    refuse_cuda_graphs_at_stage3(stage, backend, compile_kwargs)
     compiled = 0
     for module in unit_modules:
         if is_compiled(module):

@@ -203,7 +203,7 @@ class ZeroEngine(nn.Module):
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
         self.micro_steps += 1
-        return_freed_buffers_to_the_os()  # see [Note: freed buffers and the host allocator]
+        return_freed_buffers_to_the_os(self.device)  # see [Note: freed buffers and the host allocator]
         self._last_step_time_s = time.perf_counter() - start
 
     def _maybe_print_progress(self) -> None:
@@ -234,10 +234,11 @@ class ZeroEngine(nn.Module):
     def compile(self, backend: str = "inductor", compile_kwargs: dict[str, Any] | None = None) -> None:
         """``torch.compile`` each unit's forward, as DeepSpeed's ``engine.compile()`` is called;
         see [Note: compiled units]. ``compile_kwargs`` go to ``torch.compile`` (``mode``,
-        ``dynamic``, ``fullgraph``, ``options``)."""
+        ``dynamic``, ``fullgraph``, ``options``); CUDA graphs are refused at stage 3 ([Note: no
+        CUDA graphs under stage 3])."""
         kwargs = dict(compile_kwargs or {})
         kwargs.pop("backend", None)
-        count = compile_units([u.module for u in self.units[:-1]], backend, kwargs)
+        count = compile_units([u.module for u in self.units[:-1]], backend, kwargs, stage=self.stage)
         if count and self._cache_hook is None:
             self._cache_hook = training_without_cache(self.module)
         logger.info("hf_zero: compiled the forward of %d units with backend %s", count, backend)
@@ -353,12 +354,15 @@ class ZeroEngine(nn.Module):
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
+        allow_unverified: bool = False,
     ) -> tuple[str | None, dict]:
         """Load a checkpoint saved at any world size and stage; returns ``(checkpoint directory,
-        client_state)``. See hf_zero.checkpoint.load."""
+        client_state)``. ``allow_unverified`` loads a checkpoint written without per-tensor
+        checksums (an old format), at the risk its name says. See hf_zero.checkpoint.load."""
         from hf_zero.checkpoint import load_checkpoint
 
         return load_checkpoint(
             self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
             load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+            allow_unverified=allow_unverified,
         )

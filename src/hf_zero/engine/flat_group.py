@@ -24,8 +24,10 @@ import torch
 from torch import nn
 
 from hf_zero.comm import Communicator, Handle
+from hf_zero.engine.grad_average import plan_average, post_divisor
 from hf_zero.engine.param_source import ParamSource
 from hf_zero.engine.sharded_param import mark_gathered, mark_sharded
+from hf_zero.execution import poison_before_free
 from hf_zero.offload import NvmeShard, OffloadSettings
 from hf_zero.offload.shard_store import DeviceShard, HostShard, ShardStore
 from hf_zero.transfer import to_host, to_host_copy
@@ -38,6 +40,7 @@ def storage_bytes(tensor: torch.Tensor) -> int:
 
 def free_storage(tensor: torch.Tensor) -> None:
     if storage_bytes(tensor) > 0:
+        poison_before_free(tensor)  # [Note: late completion]: a stale alias reads poison
         tensor.untyped_storage().resize_(0)
 
 
@@ -143,7 +146,7 @@ class FlatParamGroup:
             nvme_shard.write(shard)
             self.store = nvme_shard
         elif leaves_device:
-            self.store = HostShard(shard, offload.pin_memory)
+            self.store = HostShard(shard, offload.pin_params)
 
     # ----------------------------------------------------------------- construction
     @property
@@ -258,9 +261,9 @@ class FlatParamGroup:
         if not allocate_storage(self.full):
             return
         mark_gathered(self.params)
-        shard = self.store.gather_input(self.full.device, reclaim=self.wait_unshard)
+        shard, copied = self.store.gather_input(self.full.device, reclaim=self.wait_unshard)
         self._pending_gather = self.comm.all_gather_into(
-            self.full, shard, label=self.label, async_op=async_op
+            self.full, shard, label=self.label, async_op=async_op, after=(copied,)
         )
         if not async_op:
             self.wait_unshard()
@@ -359,37 +362,44 @@ class FlatParamGroup:
 
     def start_reduce(self, reduce_dtype: torch.dtype, async_op: bool) -> PendingReduce | None:
         """Issue the gradient reduction; :meth:`finish_reduce` waits for it and accumulates.
-        Until then the full gradient buffer is the collective's input and must stay alive."""
+        Until then the full gradient buffer is the collective's input and must stay alive. The
+        division by the world size happens where [Note: averaging gradients over ranks] says."""
         if self.grad_full is None:
             return None
         self._ensure_grad_shard()
         self.prepare_grads()  # allocates zeros if this group got no gradient this backward
-        world = self.comm.world_size
         send = self.grad_full if self.grad_full.dtype == reduce_dtype else self.grad_full.to(reduce_dtype)
-        if world > 1:
-            send.div_(world)  # gloo has no AVG: pre-divide, then sum
+        average = plan_average(reduce_dtype, self.comm, send.device)
+        if average.pre_divisor > 1:
+            send.div_(average.pre_divisor)
         if self.stage == 0:
-            self.comm.all_reduce_(send, label=self.label, grads=True)
+            self.comm.all_reduce_(send, label=self.label, op=average.op, grads=True)
             return PendingReduce(None, send, send)
         received = torch.empty(self.layout.shard_numel, dtype=reduce_dtype, device=send.device)
-        handle = self.comm.reduce_scatter_into(received, send, label=self.label, async_op=async_op)
+        handle = self.comm.reduce_scatter_into(received, send, label=self.label, async_op=async_op, op=average.op)
         return PendingReduce(handle, received, send)
 
     def finish_reduce(self, pending: PendingReduce) -> None:
         if pending.handle is not None:
             pending.handle.wait()
-        if self.grad_shard is not None and self.grad_shard.data_ptr() != pending.received.data_ptr():
-            self.accumulate_grad_shard(pending.received)
+        received = pending.received
+        if self.grad_shard is not None and self.grad_shard.data_ptr() != received.data_ptr():
+            if self.grad_shard.data_ptr() == self.grad_full.data_ptr():
+                # Stage 0, fp32 compute, a 16-bit reduction: the fp32 gradient buffer is the
+                # gradient shard and still holds this rank's own gradients; the average replaces them.
+                self.grad_shard.zero_()
+            self.accumulate_grad_shard(received, post_divisor(received.dtype, self.comm.world_size))
         if self.stage != 0:
             self.release_grads()
 
-    def accumulate_grad_shard(self, reduced: torch.Tensor) -> None:
-        """Add this rank's reduced part of the gradients (any dtype, any device) into the fp32
-        gradient shard: micro-steps of an accumulation add up there."""
+    def accumulate_grad_shard(self, reduced: torch.Tensor, divisor: int = 1) -> None:
+        """Add this rank's reduced part of the gradients (any dtype, any device), divided by
+        ``divisor`` in fp32, into the fp32 gradient shard: micro-steps of an accumulation add up
+        there. ``divisor`` is what [Note: averaging gradients over ranks] left to divide."""
         shard = self._ensure_grad_shard()
         if shard.device != reduced.device:  # into a host gradient shard: the copy must land first
-            reduced = to_host_copy(reduced)
-        shard.add_(reduced)
+            reduced = to_host_copy(reduced, self.offload.pin_memory)
+        shard.add_(reduced, alpha=1.0 / divisor)
 
     def release_grads(self) -> None:
         if self.grad_full is None:

@@ -29,11 +29,37 @@ pair one unit's collective with another's:
   the oldest reduction has not readied that bucket, so its backward cursor is at or before the
   bucket's units, and every gather it can be blocked in (the shared schedule's, prefetches
   included) was issued already by the waiting rank, whose cursor is past them. The rest is
-  finished at the end of the backward.
+  finished at the end of the backward. That argument is about the host, where gloo's wait
+  blocks. On NCCL a wait is a stream dependency: the host issues on, and what could block is
+  the GPU's queues. Every rank queues the same collectives in the same order ([Note: one order
+  for both groups]), so no queue waits on work its peer queued later.
 - A unit run out of the forward order (a module called twice, a submodule called directly) is
   gathered where it runs, as before: that is rank-invariant only if every rank does it.
 - A gradient that reaches a unit after the schedule passed it (its backward ran out of order
   on this rank) is an error that names the unit, never a silent loss.
+
+[Note: one order for both groups]
+Parameter gathers and gradient reductions go out on two process groups, and on NCCL two
+communicators whose kernels wait for their peers: if rank A queued a reduction before a gather
+and rank B the gather before the reduction, each GPU could wait on work the other has not
+reached. Every rank issues the two groups' collectives in one order, whatever its path:
+
+- the forward's gathers follow the forward cursor, and the backward's gathers the backward
+  cursor, with prefetches decided from state every rank shares (above);
+- a reduction goes out when its bucket's units are READY, in the buckets' fixed order. A rank
+  that runs unit k has k READY before the backward reaches the next unit of the backward
+  order: every autograd node of unit k was made after that unit's output (the forward made
+  them later), the engine runs ready nodes in reverse order of creation and gradient
+  accumulation first, so all of k's gradients are accumulated before the next unit's output
+  hook (its visit) fires. A rank that skipped k marks it READY in the catch-up, which runs in
+  that same visit before the next unit's gather. Either way the reduction of k's bucket comes
+  after k's gather and before the next unit's.
+tests/distributed/test_collective_order.py records what each rank issues on ranks that skip
+layers, towers and experts, and compares the sequences. What breaks the argument is a gradient
+that reaches a unit after the backward moved past it on one rank only: a parameter read by
+another unit's forward (a tied weight across units; an error names it when it arrives later
+still, see ``grad_arrived``). On gloo the two groups make that harmless; on NCCL it relies on the
+two communicators' kernels fitting on the GPU side by side.
 
 [Note: the unit protocol]
 - pre_forward (module forward pre-hook): stage 3 catches up and gathers the unit, then prefetches

@@ -32,8 +32,12 @@ against time:
 
 Stage 3 is chosen for memory, and is where buffers churn, so under stage 3 the engine pins the
 threshold; at every stage it trims after each step. Both are set only when the user has not set
-any ``MALLOC_*_`` variable of their own (their allocator settings win), and only on glibc.
-Device memory is not concerned (the CUDA caching allocator already reuses it).
+any ``MALLOC_*_`` variable of their own (their allocator settings win), only on glibc, and only
+when the engine computes on the CPU (:func:`host_allocator_settings_apply`). On a GPU the
+buffers that churn are device memory, which the CUDA caching allocator already reuses; what is
+left on the host (offloaded state, pinned by torch's own host allocator, and the data loader's
+batches) does not churn by unit, so the settings would cost every host allocation of a process
+hf_zero does not own a fresh mapping or a heap walk, and buy nothing.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+
+import torch
 
 logger = logging.getLogger("hf_zero")
 
@@ -66,10 +72,18 @@ _libc = _glibc()
 _pinned = False
 
 
-def pin_mmap_threshold() -> bool:
-    """Under stage 3: freed unit buffers are unmapped at once (see [Note: freed buffers and the
-    host allocator]). Returns whether the setting is in effect."""
+def host_allocator_settings_apply(device: torch.device) -> bool:
+    """Whether an engine computing on ``device`` changes the process's glibc allocator: only on
+    the CPU, where the unit buffers of [Note: freed buffers and the host allocator] live."""
+    return device.type == "cpu"
+
+
+def pin_mmap_threshold(device: torch.device) -> bool:
+    """Under stage 3 on the CPU: freed unit buffers are unmapped at once (see [Note: freed
+    buffers and the host allocator]). Returns whether the setting is in effect."""
     global _pinned
+    if not host_allocator_settings_apply(device):
+        return False
     if not _pinned and _libc is not None:
         _pinned = bool(_libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
         if _pinned:
@@ -77,10 +91,11 @@ def pin_mmap_threshold() -> bool:
     return _pinned
 
 
-def return_freed_buffers_to_the_os() -> bool:
-    """At the end of an optimizer step: hand the heap's free pages back (see [Note: freed buffers
-    and the host allocator]). Returns whether anything was attempted."""
-    if _libc is None:
+def return_freed_buffers_to_the_os(device: torch.device) -> bool:
+    """At the end of an optimizer step on the CPU: hand the heap's free pages back (see [Note:
+    freed buffers and the host allocator]). ``device`` is the engine's compute device. Returns
+    whether anything was attempted."""
+    if _libc is None or not host_allocator_settings_apply(device):
         return False
     _libc.malloc_trim(0)
     return True

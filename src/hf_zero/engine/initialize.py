@@ -260,7 +260,7 @@ def initialize(
             logger.warning("hf_zero config: %s", warning)
 
     if resolved.stage == 3:
-        pin_mmap_threshold()  # see [Note: freed buffers and the host allocator]
+        pin_mmap_threshold(device)  # see [Note: freed buffers and the host allocator]
     source, source_owner = _lazy_source(model)
     if source is not None:
         _agree_on_real_params(model, comm, device)
@@ -328,7 +328,7 @@ def initialize(
             zero_optimizer.nvme = _nvme_store(offload, comm.rank, trainable)
         if offload.optimizer_on_host and can_overlap(inner, resolved.gradient_clipping, resolved.fp16.enabled,
                                                      nvme=offload.optimizer == "nvme"):
-            zero_optimizer.overlapped = OverlappedOffloadStep(zero_optimizer)
+            zero_optimizer.overlapped = OverlappedOffloadStep(zero_optimizer, device)
     scheduler = _build_scheduler(resolved, zero_optimizer, lr_scheduler)
     engine = ZeroEngine(model, resolved, comm, device, units, plan.rule, zero_optimizer, scheduler)
     dataloader = _build_dataloader(training_data, resolved, comm, collate_fn)
@@ -437,10 +437,12 @@ def _offload_settings(config: HfZeroConfig, optimizer: OptimizerArg) -> OffloadS
             f"NVMe optimizer offload runs hf_zero's own Adam/AdamW tile by tile, and the config's optimizer is "
             f"{config.optimizer.type} (stepped whole, one owner rank per parameter; see docs/optimizers.md): "
             "use offload_optimizer.device \"cpu\" with it, or an Adam/AdamW optimizer section")
-    section = zero.offload_optimizer if opt != "none" else zero.offload_param
+    # Each section's pin_memory decides for its own state: offload_optimizer's for the masters,
+    # gradient shards and moments, offload_param's for the parameter shards.
     return OffloadSettings(
         optimizer=opt, params=params,
-        pin_memory=bool(getattr(section, "pin_memory", True)) if section is not None else True,
+        pin_memory=bool(getattr(zero.offload_optimizer, "pin_memory", True)) if opt != "none" else True,
+        pin_params=bool(getattr(zero.offload_param, "pin_memory", True)) if params != "none" else True,
         nvme_path=getattr(zero.offload_optimizer, "nvme_path", None) if opt == "nvme" else None,
         tile_numel=int(zero.sub_group_size),
     )

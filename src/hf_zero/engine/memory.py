@@ -12,6 +12,8 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from hf_zero.transfer import host_footprint_bytes
+
 CATEGORIES = ("compute_params", "gradients", "fp32_master", "optimizer_state", "buffers")
 # Offloaded state (zero_optimization.offload_*): host memory, and bytes in NVMe files.
 HOST_CATEGORIES = ("host_params", "host_gradients", "host_fp32_master", "host_optimizer_state")
@@ -31,7 +33,8 @@ class _StorageCounter:
             if nbytes == 0 or storage.data_ptr() in self.seen:
                 continue
             self.seen.add(storage.data_ptr())
-            self.totals[category] += nbytes
+            # Host categories count what pinned memory really takes ([Note: host-device transfers]).
+            self.totals[category] += host_footprint_bytes(tensor) if category in HOST_CATEGORIES else nbytes
 
 
 def _state_tensors(optimizer: Any, hosted: set[int], on_host: bool) -> Iterable[torch.Tensor]:

@@ -208,7 +208,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable | None = None) -> None:  # type: ignore[override]
         self._opt_called = True  # what torch LR schedulers check to see the step happened first
-        if self.overlapped is not None and self.overlapped.submitted:
+        if self.overlapped is not None:
+            # Whether this rank's worker got any group depends on its own path; the step's
+            # collectives must not: every rank with the overlapped step configured finishes it
+            # the same way (two all-reduces), stepping here what the worker did not get.
             self._finish_overlapped_step()
             return
         scale = self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0

@@ -36,6 +36,8 @@ import torch
 
 from hf_zero.engine.flat_group import FlatParamGroup
 from hf_zero.engine.optimizer import ZeroAdam
+from hf_zero.execution import bound_thread_initializer
+from hf_zero.transfer import host_snapshot
 
 
 def can_overlap(inner: torch.optim.Optimizer, gradient_clipping: float, fp16: bool, nvme: bool) -> bool:
@@ -46,9 +48,12 @@ def can_overlap(inner: torch.optim.Optimizer, gradient_clipping: float, fp16: bo
 class OverlappedOffloadStep:
     """Runs each group's host step on one worker thread as soon as its gradients are final."""
 
-    def __init__(self, optimizer: Any) -> None:
+    def __init__(self, optimizer: Any, device: torch.device) -> None:
         self.optimizer = optimizer  # the ZeroOptimizer whose groups this steps
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_zero-offload-step")
+        # Groups kept on the device (offload_optimizer.ratio < 1) step on the worker too: it
+        # launches on the rank's device ([Note: the launching thread's device]).
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_zero-offload-step",
+                                       initializer=bound_thread_initializer(device))
         self.futures: dict[int, Future] = {}
         self.first_submit_s: float | None = None  # when this step's first group went to the worker
         self.last_first_submit_s: float | None = None  # the same, for the last completed step
@@ -86,13 +91,15 @@ class OverlappedOffloadStep:
 
     # ------------------------------------------------------------------ undo copies
     def _snapshot(self, group: FlatParamGroup) -> Any:
-        """What the step of ``group`` will change, copied."""
+        """What the step of ``group`` will change, copied to host memory (also for a group kept
+        on the device: the undo copies must not cost device memory)."""
         nvme = self.optimizer.nvme
         if nvme is not None:
             return nvme.snapshot(group.nvme_index)
+        pin = group.offload.pin_memory
         state = self.optimizer.inner.state.get(group.master) or {}
-        saved = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
-        return group.master.detach().clone(), saved
+        saved = {k: host_snapshot(v.detach(), pin) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+        return host_snapshot(group.master.detach(), pin), saved
 
     def roll_back(self) -> None:
         """Restore every group stepped in this step (see [Note: overlapped offload step])."""
@@ -103,6 +110,11 @@ class OverlappedOffloadStep:
                 continue
             master, state = saved
             group.master.copy_(master)
+            device_state = self.optimizer.inner.state.get(group.master) or {}
+            for key, value in state.items():  # back where the optimizer keeps each tensor
+                where = device_state.get(key)
+                if isinstance(value, torch.Tensor) and isinstance(where, torch.Tensor):
+                    state[key] = value.to(where.device)
             if state:
                 self.optimizer.inner.state[group.master] = state
             else:

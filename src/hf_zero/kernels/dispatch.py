@@ -22,6 +22,7 @@ from types import ModuleType
 
 import torch
 
+from hf_zero.execution import check_launch, late_completion
 from hf_zero.kernels import cpu
 from hf_zero.kernels import reference
 from hf_zero.kernels.validate import check_adam_hparams
@@ -88,6 +89,15 @@ def backend_for(tensor: torch.Tensor, op: str = "fused_adam_") -> str:
     return "reference"
 
 
+def _check_device(tensor: torch.Tensor, op: str) -> None:
+    """Every kernel launches on the calling thread's device ([Note: the launching thread's
+    device] in hf_zero.execution); host steps of offloaded state run on any thread."""
+    from hf_zero.transfer import is_host_store
+
+    if tensor.device.type == "cuda" or not is_host_store(tensor):
+        check_launch(tensor, f"kernel {op}", strict=late_completion())
+
+
 def _adam_impl(backend: str) -> Callable[..., None]:
     if backend in ("triton", "triton-interpret"):
         return _TRITON["adam"].fused_adam_triton_
@@ -117,6 +127,7 @@ def fused_adam_(
     hparams = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
                    grad_scale=grad_scale, clip_coef=clip_coef)
     check_adam_hparams(**hparams)
+    _check_device(master, "fused_adam_")
     impl = _adam_impl(backend_for(master, "fused_adam_"))
     impl(master, grad, exp_avg, exp_avg_sq, adamw=adamw, out=out, **hparams)
 
@@ -126,6 +137,7 @@ def pack_for_reduce_scatter(
 ) -> None:
     """Units rank-major into ``out``, times ``scale``, cast; see ``reference.pack_for_reduce_scatter``."""
     check_bucket("grads", grads, world_size, out)
+    _check_device(out, "pack_for_reduce_scatter")
     backend = backend_for(out, "pack_for_reduce_scatter")
     if backend == "reference":
         reference.pack_for_reduce_scatter(grads, world_size, out, scale)
@@ -146,6 +158,7 @@ def unpack_after_all_gather(buffer: torch.Tensor, world_size: int, outs: Sequenc
 def nonfinite_and_sqnorm(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(found inf/nan: 0-d bool, sum of squares: 0-d fp32); see ``reference.nonfinite_and_sqnorm``."""
     check_norm_tensors(tensors)
+    _check_device(tensors[0], "nonfinite_and_sqnorm")
     backend = backend_for(tensors[0], "nonfinite_and_sqnorm")
     if backend == "reference":
         if tensors[0].device.type == "cpu":

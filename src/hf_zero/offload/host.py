@@ -14,7 +14,8 @@ class OffloadSettings:
 
     optimizer: str = "none"  # "none" | "cpu" | "nvme": fp32 master, gradient shard, Adam state
     params: str = "none"  # "none" | "cpu" | "nvme": stage-3 compute shards between gathers
-    pin_memory: bool = True
+    pin_memory: bool = True  # offload_optimizer.pin_memory: masters, gradient shards, moments
+    pin_params: bool = True  # offload_param.pin_memory: stage-3 parameter shards on the host
     nvme_path: str | None = None
     tile_numel: int = 1 << 20  # elements per NVMe read/step/write tile (sub_group_size)
     # params "nvme": the rank's NvmeParamStore (hf_zero.offload.nvme_params), which the flat

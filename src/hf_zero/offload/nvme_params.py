@@ -38,7 +38,9 @@ from typing import Callable, Iterator
 import torch
 
 from hf_zero.config.errors import ConfigProblem, HfZeroConfigError
+from hf_zero.execution import DONE, Completion
 from hf_zero.offload.nvme import byte_view, check_nvme_path, pread_all, pwrite_all
+from hf_zero.transfer import to_compute_async
 
 DTYPE_SUFFIX = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 _UNSAFE = re.compile(r"[^A-Za-z0-9._#-]")
@@ -102,6 +104,7 @@ class NvmeShard:
         self.numel = numel
         self.dtype = dtype
         self._held: int | None = None  # the pool buffer a gather in flight reads
+        self._copy: Completion = DONE  # the copy out of that buffer to the GPU
         self._placeholder: torch.Tensor | None = None
 
     location = "nvme"  # a shard store: see [Note: shard stores] in hf_zero.offload.shard_store
@@ -120,7 +123,7 @@ class NvmeShard:
             self._placeholder = self.placeholder()
         return self._placeholder
 
-    def gather_input(self, device: torch.device, reclaim: Callable[[], None]) -> torch.Tensor:
+    def gather_input(self, device: torch.device, reclaim: Callable[[], None]) -> tuple[torch.Tensor, Completion]:
         return self.swap_in(device, reclaim)
 
     def gather_done(self) -> None:
@@ -159,10 +162,11 @@ class NvmeShard:
             yield self.read_into(buffer[: min(buffer.numel(), self.numel - lo)], lo)
 
     # ----------------------------------------------------------------- the gather
-    def swap_in(self, device: torch.device, reclaim: Callable[[], None]) -> torch.Tensor:
-        """The shard read into a pool buffer (or, on a GPU, copied on to ``device`` from one),
-        ready to be the input of the all-gather. ``reclaim`` finishes that gather; the pool calls
-        it when it needs the buffer back. Pair with :meth:`release`."""
+    def swap_in(self, device: torch.device, reclaim: Callable[[], None]) -> tuple[torch.Tensor, Completion]:
+        """The shard read into a pool buffer (or, on a GPU, copied on to ``device`` from one on
+        the copy-in stream), ready to be the input of the all-gather, and the completion of that
+        copy. ``reclaim`` finishes that gather; the pool calls it when it needs the buffer back.
+        Pair with :meth:`release`."""
         pool = self.store.pool
         index = pool.acquire(reclaim)
         try:
@@ -170,18 +174,20 @@ class NvmeShard:
         except BaseException:
             pool.release(index)
             raise
+        self._held = index
         if device.type == "cpu":
-            self._held = index
-            return shard
-        try:
-            return shard.to(device)  # blocking: the buffer is free again once this returns
-        finally:
-            pool.release(index)
+            self._copy = DONE
+            return shard, DONE
+        copied, self._copy = to_compute_async(shard, device)
+        return copied, self._copy
 
     def release(self) -> None:
-        """The gather that read the buffer of :meth:`swap_in` is done. Idempotent."""
+        """The gather that read the buffer of :meth:`swap_in` is done. Idempotent. The host
+        reads the next file into the buffer, so it first waits for the copy out of it (a stream
+        dependency of the gather is not enough for a host write)."""
         if self._held is not None:
-            index, self._held = self._held, None
+            self._copy.wait_on_host()
+            index, self._held, self._copy = self._held, None, DONE
             self.store.pool.release(index)
 
 

@@ -13,7 +13,8 @@ does not branch on offload flags:
 
 - ``tensor``: what the group holds as its ``shard`` (the values, or an empty placeholder for a
   file).
-- ``gather_input(device, reclaim)``: the tensor the all-gather sends, on the compute device;
+- ``gather_input(device, reclaim)``: the tensor the all-gather sends, on the compute device,
+  and the completion of its copy there (the all-gather waits on it: ``after=``);
   ``gather_done()`` once that gather has completed (a file's pool buffer is given back).
 - ``read()``: the whole shard (a new host tensor for a file); ``write(values, start)``: new
   values for a range of it, from any device and dtype (the optimizer's update, a loaded
@@ -27,7 +28,8 @@ from typing import Callable, Protocol
 
 import torch
 
-from hf_zero.transfer import copy_to_host_, to_compute, to_host
+from hf_zero.execution import DONE, Completion
+from hf_zero.transfer import copy_to_host_, to_compute_async, to_host
 
 
 class ShardStore(Protocol):
@@ -36,7 +38,7 @@ class ShardStore(Protocol):
     @property
     def tensor(self) -> torch.Tensor: ...
 
-    def gather_input(self, device: torch.device, reclaim: Callable[[], None]) -> torch.Tensor: ...
+    def gather_input(self, device: torch.device, reclaim: Callable[[], None]) -> tuple[torch.Tensor, Completion]: ...
 
     def gather_done(self) -> None: ...
 
@@ -53,8 +55,8 @@ class DeviceShard:
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
 
-    def gather_input(self, device: torch.device, reclaim: Callable[[], None]) -> torch.Tensor:
-        return self.tensor
+    def gather_input(self, device: torch.device, reclaim: Callable[[], None]) -> tuple[torch.Tensor, Completion]:
+        return self.tensor, DONE
 
     def gather_done(self) -> None:
         return None
@@ -63,7 +65,14 @@ class DeviceShard:
         return self.tensor
 
     def write(self, values: torch.Tensor, start: int = 0) -> None:
-        self.tensor[start : start + values.numel()].copy_(values.reshape(-1))
+        target = self.tensor[start : start + values.numel()]
+        if values.device != target.device:
+            # An updated host master: copied as it is (fp32, pinned) on the copy-in stream and
+            # cast on the device, not cast on the host into a pageable buffer that the copy
+            # then has to wait for.
+            values, copied = to_compute_async(values.reshape(-1), target.device)
+            copied.wait()
+        target.copy_(values.reshape(-1))
 
 
 class HostShard:
@@ -74,8 +83,8 @@ class HostShard:
     def __init__(self, tensor: torch.Tensor, pin: bool) -> None:
         self.tensor = to_host(tensor, pin)
 
-    def gather_input(self, device: torch.device, reclaim: Callable[[], None]) -> torch.Tensor:
-        return to_compute(self.tensor, device)
+    def gather_input(self, device: torch.device, reclaim: Callable[[], None]) -> tuple[torch.Tensor, Completion]:
+        return to_compute_async(self.tensor, device)  # on the copy-in stream: overlaps compute
 
     def gather_done(self) -> None:
         return None
