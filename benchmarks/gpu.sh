@@ -15,7 +15,7 @@
 #   benchmarks/gpu.sh kernels fake_world    # (a) and (b) only
 #   benchmarks/gpu.sh engines -- --peak-tflops 989 --repeats 2 --compile inductor
 # The CUDA test suite is separate: python -m pytest -q tests/distributed/test_cuda_engine.py
-#   tests/kernels/test_cuda.py tests/distributed/test_fake_world.py
+#   tests/distributed/test_cuda_execution.py tests/kernels/test_cuda.py tests/distributed/test_fake_world.py
 set -uo pipefail
 cd "$(dirname "$0")"
 python -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else "benchmarks/gpu.sh needs a CUDA device")' || exit 1

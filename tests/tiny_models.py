@@ -50,6 +50,25 @@ def tiny_bert_classifier(seed: int = 0) -> nn.Module:
 BUILDERS = {"gpt2": tiny_gpt2, "llama": tiny_llama, "bert": tiny_bert_classifier}
 
 
+def tiny_llama_wide_vocab(seed: int = 0) -> torch.nn.Module:
+    """tiny_llama with a vocabulary of 65537 (the batches use its first 16 tokens): the embedding
+    unit and the root unit (lm_head) hold groups of 1.05M elements. Wide layers would not do: at
+    the scenarios' learning rate a hidden size of 320 diverges."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=65_537, hidden_size=16, intermediate_size=37, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config).float()
+
+
+# What the distributed scenarios can build by name: the three models every integration test runs
+# (BUILDERS), and models only some scenarios need.
+SCENARIO_BUILDERS = {**BUILDERS, "llama_wide_vocab": tiny_llama_wide_vocab}
+
+
 def batch_for_step(step: int, rows: int, seed: int = 1234) -> torch.Tensor:
     """The global batch of a step: ``rows`` sequences of token ids, the same on every rank."""
     generator = torch.Generator().manual_seed(seed * 1000 + step)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from tests.tiny_models import BUILDERS, freeze_some, learnable_batch
+from tests.tiny_models import SCENARIO_BUILDERS, freeze_some, learnable_batch
 
 # [Note: parity signal]
 # On the learnable batches (tests/tiny_models.learnable_batch), 6 steps at lr 2e-2 take the
@@ -75,7 +75,7 @@ def model_loss(model: torch.nn.Module, kind: str, ids: torch.Tensor) -> torch.Te
 
 
 def build_model(sc: dict[str, Any]) -> torch.nn.Module:
-    model = BUILDERS[sc["model"]](seed=0)
+    model = SCENARIO_BUILDERS[sc["model"]](seed=0)
     if sc["freeze"]:
         freeze_some(model)
     if sc["checkpointing"]:

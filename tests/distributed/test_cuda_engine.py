@@ -39,30 +39,11 @@ from tests.distributed import scenarios as S
 from tests.distributed.launch import run_distributed
 from tests.distributed.parity_checks import (FP32_LOSS_ATOL, FP32_PARAM_ATOL, check_fp32_parity,
                                              check_low_precision_parity)
-from tests.tiny_models import BUILDERS
+from tests.tiny_models import SCENARIO_BUILDERS
 
 NVME_DIR = os.path.join(tempfile.gettempdir(), "hf_zero_test_cuda_nvme")
 MILLION = 1 << 20
-SMALL_BUCKET = 200_000  # elements: a fifth of the largest groups of llama_wide_vocab
-
-
-def llama_wide_vocab(seed: int = 0) -> torch.nn.Module:
-    """tiny_llama with a vocabulary of 65537 (the batches use its first 16 tokens): the embedding
-    unit and the root unit (lm_head) hold groups of 1.05M elements, five buckets each. Wide
-    layers would not do: at the scenarios' learning rate a hidden size of 320 diverges."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=65_537, hidden_size=16, intermediate_size=37, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(config).float()
-
-
-# The scenarios and their references build models by name; this module is imported by every
-# spawned worker too (its functions are), so the name is known there as well.
-BUILDERS.setdefault("llama_wide_vocab", llama_wide_vocab)
+SMALL_BUCKET = 200_000  # elements: a fifth of the largest groups of tiny_models.tiny_llama_wide_vocab
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -231,7 +212,7 @@ def _user_group_worker(backend: str, root: str, compile_backend: str) -> dict[st
 def _fused_engine(sc: dict[str, Any], seed: int) -> Any:
     import hf_zero
 
-    model = BUILDERS[sc["model"]](seed=seed)
+    model = SCENARIO_BUILDERS[sc["model"]](seed=seed)
     model.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=S.LR, betas=S.BETAS,
                                   eps=S.EPS, weight_decay=S.WEIGHT_DECAY, fused=True)

@@ -10,7 +10,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ConfigProblem", "HfZeroConfigError", "MISSING", "ProblemList"]
+__all__ = ["ConfigProblem", "HfZeroConfigError", "MISSING", "ProblemList", "MAX_ECHO_CHARS", "echo", "one_line"]
+
+# [Note: bounded messages]
+# A config is untrusted input: a key or value may be 100 MB long or hold newlines. Every piece of
+# user text a message repeats goes through `echo`/`one_line`, so a problem is always one line of
+# bounded length: at most MAX_ECHO_CHARS of the value, then "..." and its total length. The
+# problem objects keep the full values for code that inspects them.
+MAX_ECHO_CHARS = 200
+# Rules and fixes are ours, but some quote a value (`device is '...'`); they get a wider bound.
+_MAX_RULE_CHARS = 4 * MAX_ECHO_CHARS
 
 
 class _Missing:
@@ -50,7 +59,8 @@ class ConfigProblem:
     fix: str
 
     def __str__(self) -> str:
-        return f"{self.path} = {self.value!r}: {self.rule}. Fix: {self.fix}"
+        rule, fix = one_line(self.rule, _MAX_RULE_CHARS), one_line(self.fix, _MAX_RULE_CHARS)
+        return f"{one_line(self.path)} = {echo(self.value)}: {rule}. Fix: {fix}"
 
 
 class HfZeroConfigError(ValueError):
@@ -62,7 +72,7 @@ class HfZeroConfigError(ValueError):
         self.problems: list[ConfigProblem] = list(problems)
         self.source = source
         noun = "problem" if len(problems) == 1 else "problems"
-        lines = [f"hf_zero config {source} has {len(problems)} {noun}:"]
+        lines = [f"hf_zero config {one_line(source)} has {len(problems)} {noun}:"]
         lines += [f"  - {problem}" for problem in problems]
         super().__init__("\n".join(lines))
 
@@ -80,3 +90,21 @@ class ProblemList(list[ConfigProblem]):
     def raise_if_any(self, source: str) -> None:
         if self:
             raise HfZeroConfigError(list(self), source)
+
+
+def one_line(text: str, limit: int = MAX_ECHO_CHARS) -> str:
+    """`text` cut to `limit` characters (then "... (N characters)") with control characters escaped.
+
+    See [Note: bounded messages]. Cut first, escape second: a 100 MB key costs a slice, not a loop.
+    """
+    kept = text[:limit]
+    escaped = kept if kept.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in kept)
+    return escaped if len(text) <= limit else f"{escaped}... ({len(text)} characters)"
+
+
+def echo(value: Any) -> str:
+    """`repr(value)` as a message repeats it: one line, bounded (see [Note: bounded messages])."""
+    if isinstance(value, str) and len(value) > MAX_ECHO_CHARS:
+        # repr of the head only: a 100 MB string is never copied whole.
+        return f"{repr(value[:MAX_ECHO_CHARS])[:MAX_ECHO_CHARS]}... ({len(value)} characters)"
+    return one_line(repr(value))

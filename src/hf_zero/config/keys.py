@@ -112,6 +112,11 @@ RangeCheck = Callable[[Any], "tuple[str, str] | None"]
 # Bucket sizes above this are larger than any model's parameter count (2**40 elements): a typo or
 # a "1e30 means one bucket" guess; 0 already means one collective per group.
 MAX_BUCKET_NUMEL = 2**40
+# The batch triple counts samples (and micro-steps) per step. No device holds 2**31 samples in a
+# micro-batch (int32 indexing ends there), and 2**31 micro-steps per optimizer step would never
+# finish: a larger value is a typo or an "unbounded" placeholder (1e18), which DeepSpeed accepts
+# and which would fail only later, as an out-of-memory deep in the data loader.
+MAX_BATCH = 2**31
 # fp16 starts at a loss scale of 2**initial_scale_power, a Python float multiplied into an fp32
 # loss: far below fp32's 2**128 limit, and 2**4000 overflows Python floats outright.
 MAX_SCALE_POWER = 64
@@ -210,6 +215,15 @@ def between(low: float, high: float) -> RangeCheck:
         return None if ok else (f"must be in [{low}, {high}]", f"write a number from {low} to {high}")
 
     return check
+
+
+def _batch_count(value: Any) -> tuple[str, str] | None:
+    if value < 1:
+        return "must be >= 1", "write 1 or more"
+    if value > MAX_BATCH:
+        rule = f"must be at most 2**31 = {MAX_BATCH} (no run takes that many samples or micro-steps per step)"
+        return rule, 'write the real number, or "auto" to take it from the Trainer'
+    return None
 
 
 def _zero_stage(value: Any) -> tuple[str, str] | None:
@@ -316,9 +330,9 @@ def _ni_type(name: str) -> str:
 
 _SPECS: list[KeySpec] = [
     # -- batch size and steps (runtime/constants.py) --
-    KeySpec("train_batch_size", Int(), None, "Global batch per optimizer step = micro batch x gradient accumulation x world size; derived from the other two when absent.", nullable=True, check=at_least(1), auto_from="train_batch_size"),
-    KeySpec("train_micro_batch_size_per_gpu", Int(), None, "Samples per rank per forward/backward; derived when absent.", nullable=True, check=at_least(1), auto_from="train_micro_batch_size_per_gpu"),
-    KeySpec("gradient_accumulation_steps", Int(), None, "Micro-steps accumulated per optimizer step; derived when absent.", nullable=True, check=at_least(1), auto_from="gradient_accumulation_steps"),
+    KeySpec("train_batch_size", Int(), None, "Global batch per optimizer step = micro batch x gradient accumulation x world size; derived from the other two when absent.", nullable=True, check=_batch_count, auto_from="train_batch_size"),
+    KeySpec("train_micro_batch_size_per_gpu", Int(), None, "Samples per rank per forward/backward; derived when absent.", nullable=True, check=_batch_count, auto_from="train_micro_batch_size_per_gpu"),
+    KeySpec("gradient_accumulation_steps", Int(), None, "Micro-steps accumulated per optimizer step; derived when absent.", nullable=True, check=_batch_count, auto_from="gradient_accumulation_steps"),
     KeySpec("gradient_clipping", Float(), 1.0, "Clip the global gradient L2 norm (over all shards) to this; 0 turns clipping off. DeepSpeed 0.19's default is 1.0.", check=at_least(0), auto_from="gradient_clipping"),
     KeySpec("steps_per_print", StepsPerPrint(), None, "Log progress every N optimizer steps; 0, null or Infinity mean never.", nullable=True),
     KeySpec("wall_clock_breakdown", Bool(), False, "Time forward, backward, gradient reduction, optimizer step and stage-3 gathers; engine.timers() returns them and the steps_per_print line adds them."),

@@ -215,6 +215,10 @@ class StepsPerPrint(Kind):
 
 
 def _closest(word: str, candidates: Sequence[str]) -> str | None:
+    # difflib's ratio is 2*matches/(len(a)+len(b)) <= 2*len(b)/(len(a)+len(b)): a word over 2.4x the
+    # longest candidate can never reach 0.6, and indexing a 100 MB key would take seconds.
+    if not candidates or len(word) > 2.4 * max(len(c) for c in candidates):
+        return None
     matches = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
     return matches[0] if matches else None
 

@@ -3,6 +3,10 @@
 JSON is parsed with Python's json module, which reads ``Infinity`` as transformers / Accelerate
 write it (``"steps_per_print": Infinity``). Duplicate keys are problems (DeepSpeed rejects them
 too), because the second one silently wins otherwise.
+
+A config is untrusted input: a file that is not UTF-8, JSON the parser cannot take (too deep for
+its recursion, an integer of 5000 digits) and nesting deeper than MAX_DEPTH (a dict passed in
+Python included, even one that contains itself) are problems like any other, never a traceback.
 """
 
 from __future__ import annotations
@@ -13,9 +17,17 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .errors import MISSING, ProblemList
+from .errors import MISSING, ProblemList, one_line
 
-__all__ = ["load_config"]
+__all__ = ["MAX_DEPTH", "load_config"]
+
+# DeepSpeed's deepest config is 3 levels (zero_optimization.offload_param.device); the opaque
+# sections hf_zero passes through (compression_training, ...) reach about 6. 64 is far above any
+# real config and far below Python's recursion limit (1000), which every later walk relies on.
+# The checkpoint manifest has the same bound.
+MAX_DEPTH = 64
+_TOO_DEEP = f"nests more than {MAX_DEPTH} levels deep (no DeepSpeed config goes beyond a few)"
+_TOO_DEEP_FIX = "flatten it: a config is a few levels of objects; check the file was not generated wrongly"
 
 
 class _Object(dict[str, Any]):
@@ -55,6 +67,26 @@ def _join(prefix: str, key: str) -> str:
     return f"{prefix}.{key}" if prefix else key
 
 
+def _too_deep(value: Any) -> str | None:
+    """The key path of the first container nested deeper than MAX_DEPTH, or None.
+
+    Iterative, so a 100k-deep dict (or one that contains itself) costs MAX_DEPTH levels of a list,
+    not a RecursionError.
+    """
+    stack: list[tuple[Any, tuple[str, ...]]] = [(value, ())]
+    while stack:
+        node, keys = stack.pop()
+        if not isinstance(node, (Mapping, list, tuple)):
+            continue
+        if len(keys) >= MAX_DEPTH:  # the root is level 1, so this container is level MAX_DEPTH + 1
+            return ".".join(keys).replace(".[", "[")
+        if isinstance(node, Mapping):
+            stack.extend((inner, (*keys, str(key))) for key, inner in node.items())
+        else:
+            stack.extend((inner, (*keys, f"[{i}]")) for i, inner in enumerate(node))
+    return None
+
+
 def _parse(text: str, source: str, problems: ProblemList) -> Any:
     try:
         return json.loads(text, object_pairs_hook=_object_pairs)
@@ -65,12 +97,16 @@ def _parse(text: str, source: str, problems: ProblemList) -> Any:
             f"is not valid JSON: {err.msg} at line {err.lineno} column {err.colno}",
             "fix the JSON there (DeepSpeed reads hjson; hf_zero reads strict JSON: no comments or trailing commas)",
         )
-        return None
+    except RecursionError:  # json's C scanner recurses once per level; past ~1000 it gives up
+        problems.add(source, MISSING, _TOO_DEEP, _TOO_DEEP_FIX)
+    except ValueError as err:  # e.g. an integer of more than 4300 digits (sys.set_int_max_str_digits)
+        problems.add(source, MISSING, f"cannot be read as JSON: {one_line(str(err))}", "fix the value there")
+    return None
 
 
 def _read(path: Path, problems: ProblemList) -> Any:
     try:
-        text = path.read_text(encoding="utf-8")
+        data = path.read_bytes()
     except FileNotFoundError:
         fix = "check the path (relative paths start at the working directory)"
         problems.add(str(path), MISSING, "config file not found", fix)
@@ -78,6 +114,13 @@ def _read(path: Path, problems: ProblemList) -> Any:
     except OSError as err:
         rule = f"config file cannot be read: {err.strerror}"
         problems.add(str(path), MISSING, rule, "check the path and its permissions")
+        return None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        rule = f"is not UTF-8 text: byte 0x{data[err.start]:02x} at byte offset {err.start} (line {line})"
+        problems.add(str(path), MISSING, rule, "save the file as UTF-8 (JSON files are UTF-8)")
         return None
     return _parse(text, str(path), problems)
 
@@ -103,5 +146,9 @@ def load_config(config: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[dic
         return {}, source, problems
     if not isinstance(parsed, Mapping):
         problems.add(source, type(parsed).__name__, "the config must be a JSON object", "wrap the settings in {...}")
+        return {}, source, problems
+    deep = _too_deep(parsed)
+    if deep is not None:  # before _to_plain, which recurses
+        problems.add(deep, MISSING, _TOO_DEEP, _TOO_DEEP_FIX)
         return {}, source, problems
     return _to_plain(parsed, "", problems), source, problems

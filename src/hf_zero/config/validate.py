@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .batch import GAS, MICRO, TOTAL, derive_batch
-from .errors import MISSING, ProblemList
+from .errors import MISSING, ProblemList, echo
 from .keys import (
     DEEPSPEED_OPTIMIZERS,
     DEEPSPEED_SCHEDULERS,
@@ -51,6 +51,7 @@ def validate(root: dict[str, Any], *, allow_auto: bool, check_batch: bool = True
     _walk(root, "", root, problems, allow_auto)
     _check_precision(root, problems)
     _check_offload(root, problems)
+    _check_null_sections(root, problems)
     _check_optimizer(root, problems)
     _check_scheduler(root, problems)
     _check_grad_accum_dtype(root, problems)
@@ -337,6 +338,28 @@ def _check_offload_section(name: str, section: dict[str, Any], stage: int | None
         problems.add(f"{path}.device", device, rule, fix)
 
 
+# What a null optimizer / scheduler section does elsewhere: transformers tests `"optimizer" in
+# config`, so null makes it leave the optimizer to the config (hf_zero then finds none) and a null
+# scheduler leaves the run with none at all (a constant learning rate); DeepSpeed calls
+# `param_dict["optimizer"].keys()` and fails with AttributeError. So null is not "absent".
+_NULL_SECTION: dict[str, tuple[str, str]] = {
+    "optimizer": (
+        "transformers then skips building its optimizer and DeepSpeed fails reading it",
+        'remove the key to use the Trainer\'s (or your) optimizer, or write {"type": "AdamW", ...}',
+    ),
+    "scheduler": (
+        "transformers then builds no scheduler at all (a constant learning rate) and DeepSpeed fails reading it",
+        'remove the key to use the Trainer\'s (or your) scheduler, or write {"type": "WarmupLR", ...}',
+    ),
+}
+
+
+def _check_null_sections(root: dict[str, Any], problems: ProblemList) -> None:
+    for name, (effect, fix) in _NULL_SECTION.items():
+        if name in root and root[name] is None:
+            problems.add(name, None, f"null is not the same as leaving the key out: {effect}", fix)
+
+
 def _check_optimizer(root: dict[str, Any], problems: ProblemList) -> None:
     optimizer = root.get("optimizer")
     if not isinstance(optimizer, dict):
@@ -383,6 +406,8 @@ def _check_scheduler(root: dict[str, Any], problems: ProblemList) -> None:
     if name in IMPLEMENTED_SCHEDULERS:
         if name in ("WarmupDecayLR", "WarmupCosineLR"):
             _require_total_steps(name, scheduler, problems)
+        if isinstance(scheduler.get("params"), dict):
+            _check_warmup_direction(name, scheduler["params"], problems)
         return
     if name in DEEPSPEED_SCHEDULERS or _is_torch_class(torch.optim.lr_scheduler, name):
         rule = f"{NOT_IMPLEMENTED_RULE} (the {name} scheduler)"
@@ -399,6 +424,37 @@ def _require_total_steps(name: str, scheduler: dict[str, Any], problems: Problem
     if not isinstance(params, dict) or "total_num_steps" not in params:
         fix = 'set it, or "auto" to take the Trainer\'s total optimizer steps'
         problems.add("scheduler.params.total_num_steps", MISSING, f"is required by {name}", fix)
+
+
+def _numbers(value: Any) -> list[float] | None:
+    """A warmup LR as a list (one entry, or one per group); None when not all numbers (reported, or "auto")."""
+    values = value if isinstance(value, list) else [value]
+    ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+    return [float(v) for v in values] if ok and values else None
+
+
+def _check_warmup_direction(name: str, params: dict[str, Any], problems: ProblemList) -> None:
+    """Warmup must not lower the learning rate (DeepSpeed runs it backwards without a word)."""
+    if name == "WarmupCosineLR":  # warms up from warmup_min_ratio * lr to lr
+        ratio = params.get("warmup_min_ratio", 0.0)
+        if isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and ratio > 1:
+            rule = "is above 1: the warmup would start above the optimizer's lr and lower it"
+            problems.add("scheduler.params.warmup_min_ratio", ratio, rule, "write a ratio in [0, 1] (the default is 0)")
+        return
+    low = _numbers(params.get("warmup_min_lr", 0.0))
+    high = _numbers(params.get("warmup_max_lr", 0.001))
+    if low is None or high is None:
+        return
+    if len(low) == 1:  # one number for every group
+        low = low * len(high)
+    if len(high) == 1:
+        high = high * len(low)
+    if len(low) == len(high) and any(h < lo for lo, h in zip(low, high)):
+        absent = "" if "warmup_max_lr" in params else "(absent: DeepSpeed's default 0.001) "
+        rule = (f"{absent}is below warmup_min_lr ({echo(params.get('warmup_min_lr', 0.0))}): the warmup would lower "
+                "the learning rate instead of raising it (DeepSpeed accepts this silently)")
+        problems.add("scheduler.params.warmup_max_lr", params.get("warmup_max_lr", MISSING), rule,
+                     "swap the two: warmup_min_lr is where warmup starts, warmup_max_lr where it ends")
 
 
 def _check_grad_accum_dtype(root: dict[str, Any], problems: ProblemList) -> None:
@@ -439,16 +495,35 @@ def config_warnings(root: dict[str, Any]) -> list[str]:
         found.append("zero_optimization.stage3_max_live_parameters = 0: no gathered parameter is kept beyond the "
                      "unit in use, so nothing is prefetched. Fix: remove it for the default 1e9")
     found += _scheduler_warnings(root)
+    found += _stage3_key_warnings(zero)
     for name in ("offload_param", "offload_optimizer"):
         section = zero.get(name)
         if isinstance(section, dict) and section.get("device") == "nvme" and isinstance(section.get("nvme_path"), str):
             path = section["nvme_path"]
             if os.path.isfile(path):  # a warning: the config may be checked on another machine than the run's
-                found.append(f"zero_optimization.{name}.nvme_path = {path!r} is a file on this machine; offload writes "
-                             "its files into a directory. Fix: point nvme_path at a directory on the NVMe drive")
+                found.append(f"zero_optimization.{name}.nvme_path = {echo(path)} is a file on this machine; offload "
+                             "writes its files into a directory. Fix: point nvme_path at a directory on the NVMe drive")
             elif not os.path.exists(path):
-                found.append(f"zero_optimization.{name}.nvme_path = {path!r} does not exist on this machine. Fix: create "
-                             "it on every machine before training, or point it at a directory on the NVMe drive")
+                found.append(f"zero_optimization.{name}.nvme_path = {echo(path)} does not exist on this machine. Fix: "
+                             "create it on every machine before training, or point it at a directory on the NVMe drive")
+    return found
+
+
+def _stage3_key_warnings(zero: dict[str, Any]) -> list[str]:
+    """stage3_* keys set below stage 3 do nothing. A warning, not an error: Accelerate's generated
+    config writes stage3_gather_16bit_weights_on_model_save at every stage, and DeepSpeed accepts
+    them silently. Values left at their default or "auto" (filled by the tools) are not reported."""
+    stage = _int(zero.get("stage", 0))
+    if stage is None or stage == 3:
+        return []
+    found = []
+    for key, value in zero.items():
+        spec = children_of("zero_optimization").get(key)
+        if not key.startswith("stage3_") or spec is None or _is_auto(value) or value == spec.default:
+            continue
+        found.append(f"zero_optimization.{key} = {as_json(value)} has no effect at ZeRO stage {stage}: only stage 3 "
+                     "reads the stage3_* keys (DeepSpeed ignores them silently). Fix: remove it, or set "
+                     "zero_optimization.stage to 3")
     return found
 
 

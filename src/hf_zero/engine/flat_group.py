@@ -27,10 +27,10 @@ from hf_zero.comm import Communicator, Handle
 from hf_zero.engine.grad_average import plan_average, post_divisor
 from hf_zero.engine.param_source import ParamSource
 from hf_zero.engine.sharded_param import mark_gathered, mark_sharded
-from hf_zero.execution import poison_before_free
+from hf_zero.execution import execution_for, poison_before_free
 from hf_zero.offload import NvmeShard, OffloadSettings
 from hf_zero.offload.shard_store import DeviceShard, HostShard, ShardStore
-from hf_zero.transfer import to_host, to_host_copy
+from hf_zero.transfer import is_host_store, to_host
 from hf_zero.partition import FlatLayout, build_flat_layout
 
 
@@ -395,11 +395,22 @@ class FlatParamGroup:
     def accumulate_grad_shard(self, reduced: torch.Tensor, divisor: int = 1) -> None:
         """Add this rank's reduced part of the gradients (any dtype, any device), divided by
         ``divisor`` in fp32, into the fp32 gradient shard: micro-steps of an accumulation add up
-        there. ``divisor`` is what [Note: averaging gradients over ranks] left to divide."""
+        there. ``divisor`` is what [Note: averaging gradients over ranks] left to divide. Into a
+        host shard the add happens when the copy lands ([Note: gradients copied to the host])."""
         shard = self._ensure_grad_shard()
-        if shard.device != reduced.device:  # into a host gradient shard: the copy must land first
-            reduced = to_host_copy(reduced, self.offload.pin_memory)
-        shard.add_(reduced, alpha=1.0 / divisor)
+        copies = self.offload.grad_copies
+        if copies is None or not is_host_store(shard) or is_host_store(reduced):
+            shard.add_(reduced, alpha=1.0 / divisor)
+            return
+        staging = torch.empty(reduced.shape, dtype=reduced.dtype, device="cpu",
+                              pin_memory=self.offload.pin_memory and torch.cuda.is_available())
+        copied = execution_for(reduced.device).copy_out(staging, reduced, f"{self.label} gradients to the host")
+        copies.push(self, staging, copied, divisor)
+
+    def land_host_grads(self) -> None:
+        """The host reads this group's gradient shard next: its copies in flight land first."""
+        if self.offload.grad_copies is not None:
+            self.offload.grad_copies.land(self)
 
     def release_grads(self) -> None:
         if self.grad_full is None:
@@ -410,6 +421,7 @@ class FlatParamGroup:
 
     def zero_grad_shard(self) -> None:
         self.grad_received = False
+        self.land_host_grads()  # a copy in flight must not land in the next step's shard
         if self.grad_shard is not None:
             self.grad_shard.zero_()
         if self.stage == 0 and self.grad_full is not None:

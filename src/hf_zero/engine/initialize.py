@@ -27,6 +27,7 @@ from hf_zero.engine.rank_agreement import TIMEOUT_ENV, agree, collective_timeout
 from hf_zero.engine.schedulers import build_scheduler
 from hf_zero.engine.unit import ZeroUnit
 from hf_zero.offload import NvmeOptimizerStore, NvmeParamStore, OffloadSettings, units_to_offload
+from hf_zero.offload.grad_copies import HostGradCopies
 from hf_zero.partition import KEEP_GATHERED, is_persistent, plan_units
 
 logger = logging.getLogger("hf_zero")
@@ -275,6 +276,8 @@ def initialize(
         plan = plan_units(model, resolved.zero.wrap_modules)
     threshold = int(resolved.zero.stage3_param_persistence_threshold) if resolved.stage == 3 else 0
     offload = _offload_settings(resolved, optimizer)
+    if offload.optimizer_on_host:  # see [Note: gradients copied to the host]
+        offload = dataclasses.replace(offload, grad_copies=HostGradCopies())
     if offload.params == "nvme":
         offload = dataclasses.replace(offload, param_store=_nvme_param_store(resolved, model, comm, threshold))
     unit_offloads = _offload_by_unit(resolved, offload, plan.units)

@@ -208,6 +208,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable | None = None) -> None:  # type: ignore[override]
         self._opt_called = True  # what torch LR schedulers check to see the step happened first
+        if self.overlapped is None:  # the overlapped step lands each group on its worker
+            for group in self.groups:
+                group.land_host_grads()  # [Note: gradients copied to the host]
         if self.overlapped is not None:
             # Whether this rank's worker got any group depends on its own path; the step's
             # collectives must not: every rank with the overlapped step configured finishes it

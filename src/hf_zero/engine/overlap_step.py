@@ -82,6 +82,7 @@ class OverlappedOffloadStep:
         inf/nan (then it is left unchanged)."""
         from hf_zero.kernels import nonfinite_and_sqnorm
 
+        group.land_host_grads()  # the host waits for the copy here, on the worker, not in the backward
         found, sqnorm = nonfinite_and_sqnorm([group.grad_shard])
         if bool(found):
             return float(sqnorm), True

@@ -1,7 +1,9 @@
 """The execution layer: on which device, stream and thread hf_zero's device work runs, and what
 waits for what ([Note: streams and events], [Note: the launching thread's device],
-[Note: late completion]). Nothing else in hf_zero creates streams or events, passes
-``non_blocking=True`` or sets the current device."""
+[Note: late completion]). Nothing else in hf_zero creates streams, waits on events, copies
+hf_zero's state with ``non_blocking=True`` or sets the current device. (The wall-clock timers
+record timing events on the compute stream, and the Triton launchers copy their small index
+tables from pageable memory, which CUDA stages before the call returns.)"""
 
 from hf_zero.execution.completion import DONE, Completion
 from hf_zero.execution.device import (

@@ -21,6 +21,9 @@ class OffloadSettings:
     # params "nvme": the rank's NvmeParamStore (hf_zero.offload.nvme_params), which the flat
     # groups register their shards with as they are built.
     param_store: Any = field(default=None, compare=False, repr=False)
+    # optimizer on the host: the engine's HostGradCopies (hf_zero.offload.grad_copies), through
+    # which reduced gradients reach the host gradient shards.
+    grad_copies: Any = field(default=None, compare=False, repr=False)
 
     @property
     def optimizer_on_host(self) -> bool:

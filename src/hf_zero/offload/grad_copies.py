@@ -1,0 +1,69 @@
+"""Reduced gradients on their way to host memory.
+
+[Note: gradients copied to the host]
+With ``offload_optimizer`` the fp32 gradient shard lives on the host, and each reduction's
+result, on the device, is added into it. The add needs the copy to have landed, and waiting for
+it inside the backward hook blocks the thread that queues the GPU's work: nothing new is queued
+until the copy is done. So each reduced part is copied on the copy-out stream into a staging
+buffer (pinned when the optimizer section says so) and queued here, and it is added into its
+group's shard:
+
+- when the host reads that shard: the offloaded step of the group (on its worker thread, see
+  [Note: overlapped offload step]), the optimizer step, or a ``zero_grad``;
+- or when more than ``IN_FLIGHT`` copies are queued: the oldest lands first. It was issued two
+  reductions earlier, so the wait is for a copy long done, and host memory holds at most
+  ``IN_FLIGHT`` staging buffers beyond the shards themselves.
+
+Copies land in the order they were issued, so a group's micro-steps add up in the same order as
+before. The overlapped step lands groups on its worker thread while the backward queues more on
+the autograd thread: one lock serialises the two.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hf_zero.execution import Completion
+
+IN_FLIGHT = 2  # reduced parts whose copy to the host may be in flight at once
+
+
+@dataclass
+class _Copy:
+    group: Any  # the FlatParamGroup whose gradient shard it goes into
+    staging: torch.Tensor
+    copied: Completion
+    divisor: int
+
+
+class HostGradCopies:
+    """The copies of one engine's reduced gradients to its host gradient shards, in flight."""
+
+    def __init__(self) -> None:
+        self._queue: deque[_Copy] = deque()
+        self._lock = threading.Lock()
+
+    def push(self, group: Any, staging: torch.Tensor, copied: Completion, divisor: int) -> None:
+        with self._lock:
+            self._queue.append(_Copy(group, staging, copied, divisor))
+            while len(self._queue) > IN_FLIGHT:
+                self._land_oldest()
+
+    def land(self, group: Any) -> None:
+        """Every copy queued up to ``group``'s last one has landed in its shard."""
+        with self._lock:
+            while any(c.group is group for c in self._queue):
+                self._land_oldest()
+
+    def in_flight(self) -> int:
+        return len(self._queue)
+
+    def _land_oldest(self) -> None:
+        copy = self._queue.popleft()
+        copy.copied.wait_on_host()
+        copy.group.grad_shard.add_(copy.staging, alpha=1.0 / copy.divisor)
