@@ -54,7 +54,8 @@ def host_footprint_bytes(tensor: torch.Tensor) -> int:
     out blocks rounded up to a power of two (a 3 MiB pinned master takes 4 MiB), pageable
     memory what it asks for."""
     nbytes = tensor.untyped_storage().nbytes()
-    return pinned_block_bytes(nbytes) if nbytes and tensor.is_pinned() else nbytes
+    pinned = nbytes and torch.cuda.is_available() and tensor.is_pinned()  # no pinning without a GPU
+    return pinned_block_bytes(nbytes) if pinned else nbytes
 
 
 def pinned_block_bytes(nbytes: int) -> int:
