@@ -402,9 +402,8 @@ class FlatParamGroup:
         if copies is None or not is_host_store(shard) or is_host_store(reduced):
             shard.add_(reduced, alpha=1.0 / divisor)
             return
-        staging = torch.empty(reduced.shape, dtype=reduced.dtype, device="cpu",
-                              pin_memory=self.offload.pin_memory and torch.cuda.is_available())
-        copied = execution_for(reduced.device).copy_out(staging, reduced, f"{self.label} gradients to the host")
+        staging, copied = execution_for(reduced.device).stage_to_host(
+            reduced, self.offload.pin_memory, f"{self.label} gradients to the host")
         copies.push(self, staging, copied, divisor)
 
     def land_host_grads(self) -> None:

@@ -110,6 +110,16 @@ class Execution:
         the completion's ``wait_on_host``. ``src`` stays alive (and unchanged) until then."""
         return self._copy("copy_out", dst, src, what)
 
+    def stage_to_host(self, src: torch.Tensor, pin: bool, what: str) -> tuple[torch.Tensor, Completion]:
+        """``src`` in host memory, and the completion after which the host may read it: a copy
+        on the copy-out stream into a new (pinned, when ``pin``) buffer. A CPU tensor already is
+        host memory and is handed back as it is, except under [Note: late completion], where it
+        is copied like a device tensor so that a read before the wait is caught."""
+        if src.device.type == "cpu" and not late_completion():
+            return src, DONE
+        staging = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin and torch.cuda.is_available())
+        return staging, self.copy_out(staging, src, what)
+
     def _copy(self, kind: str, dst: torch.Tensor, src: torch.Tensor, what: str) -> Completion:
         def launch(result: torch.Tensor, source: torch.Tensor) -> Completion:
             stream = self.streams.get(kind)

@@ -14,6 +14,10 @@ group's shard:
   reductions earlier, so the wait is for a copy long done, and host memory holds at most
   ``IN_FLIGHT`` staging buffers beyond the shards themselves.
 
+On a CPU machine the reduced part already is host memory: it is queued as it is, no copy
+(under [Note: late completion] it is copied like a device tensor, so that the tests see the
+order a GPU has).
+
 Copies land in the order they were issued, so a group's micro-steps add up in the same order as
 before. The overlapped step lands groups on its worker thread while the backward queues more on
 the autograd thread: one lock serialises the two.
