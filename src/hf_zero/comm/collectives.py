@@ -222,7 +222,7 @@ class Communicator:
                 if out.data_ptr() != inp.data_ptr():
                     out.copy_(inp)
                 return None
-            with record_function(f"hf_zero::all_gather::{label}"), self._reporting("all-gather", label):
+            with record_function(f"hf_zero::all_gather::{label}"):  # failures: reported by _run
                 return _ALL_GATHER(out, inp, group=self.group, async_op=async_)
 
         return self._run("all_gather", "all-gather", label, output, shard, issue, async_op, after)
@@ -247,7 +247,7 @@ class Communicator:
             if not self.active:
                 out.copy_(inp)
                 return None
-            with record_function(f"hf_zero::reduce_scatter::{label}"), self._reporting("reduce-scatter", label):
+            with record_function(f"hf_zero::reduce_scatter::{label}"):  # failures: reported by _run
                 if exchange:
                     work = ExchangeReduceScatter(out, inp, self.grad_group)  # [Note: reduce-scatter on gloo]
                     if not async_:

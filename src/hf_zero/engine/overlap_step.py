@@ -60,10 +60,6 @@ class OverlappedOffloadStep:
         self.overlapped_groups = 0  # groups of the last step started before ``step`` was called
         self.undo: dict[int, tuple[FlatParamGroup, Any]] = {}  # id(group) -> (group, its state before the step)
 
-    @property
-    def submitted(self) -> bool:
-        return bool(self.futures)
-
     def submit(self, groups: list[FlatParamGroup]) -> None:
         """Start the step of ``groups`` (their gradient shards are final)."""
         if self.first_submit_s is None and groups:

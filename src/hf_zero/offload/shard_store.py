@@ -29,7 +29,7 @@ from typing import Callable, Protocol
 import torch
 
 from hf_zero.execution import DONE, Completion
-from hf_zero.transfer import copy_to_host_, to_compute_async, to_host
+from hf_zero.transfer import copy_to_host_, to_compute, to_compute_async, to_host
 
 
 class ShardStore(Protocol):
@@ -70,8 +70,7 @@ class DeviceShard:
             # An updated host master: copied as it is (fp32, pinned) on the copy-in stream and
             # cast on the device, not cast on the host into a pageable buffer that the copy
             # then has to wait for.
-            values, copied = to_compute_async(values.reshape(-1), target.device)
-            copied.wait()
+            values = to_compute(values.reshape(-1), target.device)
         target.copy_(values.reshape(-1))
 
 
