@@ -210,14 +210,36 @@ def _failing_saves(root: str) -> dict[str, Any]:
         save_module._write_rank_file = original
     _barrier()
     after_disk_full = _snapshot(save_dir)
+    full_at_latest = {tag: _error_of(lambda t=tag: _save_with_full_disk_at_latest(engine, save_dir, t))
+                      for tag in ("global_step3", "global_step2")}  # a new tag, and one re-saved
+    _barrier()
+    after_full_at_latest = _snapshot(save_dir), sorted(os.listdir(save_dir))
     fresh = _engine(sc, seed=1)
     path, _ = fresh.load_checkpoint(save_dir)
     resave = engine.save_checkpoint(save_dir, tag="global_step2")  # overwriting a tag is atomic too
     return {
         "refused": refused, "disk_full": disk_full, "loaded": os.path.basename(path),
         "unchanged_after_refused": after_refused == before, "unchanged_after_disk_full": after_disk_full == before,
+        "full_at_latest": full_at_latest,
+        "after_full_at_latest": after_full_at_latest == (before, ["global_step2", "latest"]),
         "entries": sorted(os.listdir(save_dir)), "resaved": os.path.basename(resave),
     }
+
+
+def _save_with_full_disk_at_latest(engine: Any, save_dir: str, tag: str) -> str:
+    """The disk fills exactly when rank 0 replaces ``latest`` (everything else was written)."""
+    real_replace = os.replace
+
+    def full_at_latest(src: str, dst: str) -> None:
+        if os.path.basename(dst) == "latest":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_replace(src, dst)
+
+    os.replace = full_at_latest
+    try:
+        return engine.save_checkpoint(save_dir, tag=tag)
+    finally:
+        os.replace = real_replace
 
 
 def _corrupt_loads(root: str) -> dict[str, Any]:
@@ -419,6 +441,9 @@ def test_failed_saves_raise_everywhere_and_change_nothing(runs):
         assert "client_state" in r["refused"] and "object" in r["refused"] and "nothing was written" in r["refused"]
         assert "No space left on device" in r["disk_full"] and "rank-00001-of-00002.safetensors" in r["disk_full"]
         assert r["unchanged_after_refused"] and r["unchanged_after_disk_full"]
+        for tag, error in r["full_at_latest"].items():  # neither an unreferenced checkpoint nor a temporary file
+            assert "while publishing" in error and "No space left on device" in error, (tag, error)
+        assert r["after_full_at_latest"], "a save that failed at 'latest' left files behind or changed the checkpoint"
         assert r["loaded"] == "global_step2"
     assert runs[2][0]["failing_saves"]["entries"] == ["global_step2", "latest"]  # no temporary directory left
 

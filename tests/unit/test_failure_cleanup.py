@@ -66,3 +66,19 @@ def test_the_engine_offers_every_member_of_the_checkpoint_interface(monkeypatch)
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
     assert isinstance(engine, EngineState)
     assert [g.label for g in flat_groups(engine)] == [r["group"] for r in engine.layout()]
+
+
+def test_leftover_save_folders_are_reported_with_their_sizes_and_links_not_followed(tmp_path, caplog):
+    from hf_zero.checkpoint.save import _report_leftovers
+
+    leftover = tmp_path / ".global_step1.tmp-0123abcd"
+    leftover.mkdir()
+    (leftover / "rank-00000-of-00002.safetensors").write_bytes(b"\0" * 3 * 1024)
+    outside = tmp_path.parent / f"{tmp_path.name}-outside.bin"
+    outside.write_bytes(b"\0" * 5 * 2**20)  # a link to it must not count its 5 MiB
+    os.symlink(outside, leftover / "link")
+    (tmp_path / "global_step1").mkdir()
+    with caplog.at_level(logging.WARNING, logger="hf_zero"):
+        _report_leftovers(str(tmp_path), "global_step2")
+    assert ".global_step1.tmp-0123abcd (3." in caplog.text and "KiB)" in caplog.text, caplog.text
+    assert "MiB" not in caplog.text and "global_step1 " not in caplog.text.replace(".global_step1", "")

@@ -46,6 +46,8 @@ class EngineState(Protocol):
 
     def layout(self) -> list[dict[str, Any]]: ...
 
+    def out_of_step(self, phase: str) -> str | None: ...
+
 
 def flat_groups(engine: EngineState) -> list[FlatParamGroup]:
     """Every flat group of every unit, in the order the manifest records them."""

@@ -23,6 +23,7 @@ every rank sees (a shared mount on several nodes).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import logging
@@ -44,6 +45,7 @@ from hf_zero.checkpoint.manifest import (
 from hf_zero.checkpoint.offloaded import is_streamed, streamed_entries
 from hf_zero.checkpoint.safetensors_io import DTYPE_TAGS, TensorEntry, fsync_dir, write_safetensors
 from hf_zero.checkpoint.whole_state import MANIFEST_KEY, merge_records, whole_params_of, whole_state_entries
+from hf_zero.offload.nvme import format_bytes
 
 if TYPE_CHECKING:
     from hf_zero.engine.flat_group import FlatParamGroup
@@ -206,39 +208,78 @@ def _exchange_dirs(a: str, b: str) -> bool:
     return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0
 
 
+def _tree_bytes(path: str) -> int:
+    """Bytes of the files under ``path`` (links not followed: a leftover may hold anything)."""
+    total = 0
+    for root, _dirs, names in os.walk(path, followlinks=False):
+        for name in names:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:  # removed meanwhile by whoever owns it
+                pass
+    return total
+
+
 def _report_leftovers(save_dir: str, tag: str) -> None:
     """Temporary folders of saves that crashed (loading ignores them, but they can be as large as
-    a checkpoint). Reported, not removed: another job may be saving into the same folder."""
+    a checkpoint). Reported with their sizes, not removed: another job may be saving into the
+    same folder."""
     leftovers = sorted(n for n in os.listdir(save_dir)
                        if n.startswith(".") and (".tmp-" in n or ".old-" in n) and not n.startswith(f".{tag}.tmp-"))
     if leftovers:
-        logger.warning("hf_zero: %s holds %d folder(s) left by interrupted saves (%s); delete them if no other "
-                       "job is saving there", save_dir, len(leftovers), ", ".join(leftovers[:5]))
+        sized = [f"{name} ({format_bytes(_tree_bytes(os.path.join(save_dir, name)))})" for name in leftovers[:5]]
+        more = f" and {len(leftovers) - 5} more" if len(leftovers) > 5 else ""
+        logger.warning("hf_zero: %s holds %d folder(s) left by interrupted saves: %s%s; delete them if no other "
+                       "job is saving there", save_dir, len(leftovers), ", ".join(sized), more)
 
 
 def _publish(save_dir: str, tmp_dir: str, tag: str, save_id: str) -> str:
-    """Rename the finished directory into place and point ``latest`` at it (rank 0)."""
+    """Rename the finished directory into place and point ``latest`` at it (rank 0). A failure
+    on the way (a disk that fills exactly at the ``latest`` write) puts everything back: the
+    previous checkpoint under the tag (or no directory under it), the previous ``latest``, no
+    temporary file, so that no complete checkpoint is left that ``latest`` does not name."""
     final = os.path.join(save_dir, tag)
-    aside = None
-    if os.path.lexists(final):  # re-saving a tag: the old one stays until the new one is in place
-        aside = tmp_dir if _exchange_dirs(tmp_dir, final) else os.path.join(save_dir, f".{tag}.old-{save_id}")
-        if aside != tmp_dir:  # no atomic exchange here: a short window where the tag is absent
-            os.rename(final, aside)
-            os.rename(tmp_dir, final)
-    else:
-        os.rename(tmp_dir, final)
-    fsync_dir(save_dir)
     latest_tmp = os.path.join(save_dir, f".{LATEST_NAME}.tmp-{save_id}")
-    with open(latest_tmp, "w", encoding="utf-8") as handle:
-        handle.write(tag)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(latest_tmp, os.path.join(save_dir, LATEST_NAME))
+    aside, placed = None, False
+    try:
+        if os.path.lexists(final):  # re-saving a tag: the old one stays until the new one is in place
+            aside = tmp_dir if _exchange_dirs(tmp_dir, final) else os.path.join(save_dir, f".{tag}.old-{save_id}")
+            if aside != tmp_dir:  # no atomic exchange here: a short window where the tag is absent
+                os.rename(final, aside)
+                os.rename(tmp_dir, final)
+        else:
+            os.rename(tmp_dir, final)
+        placed = True
+        fsync_dir(save_dir)
+        with open(latest_tmp, "w", encoding="utf-8") as handle:
+            handle.write(tag)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(latest_tmp, os.path.join(save_dir, LATEST_NAME))
+    except OSError:
+        _unpublish(final, tmp_dir, aside, placed, latest_tmp)
+        raise
     fsync_dir(save_dir)
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
     _report_leftovers(save_dir, tag)
     return final
+
+
+def _unpublish(final: str, tmp_dir: str, aside: str | None, placed: bool, latest_tmp: str) -> None:
+    """Undo what ``_publish`` did before ``latest`` was replaced (best effort: the disk may be
+    full). The new checkpoint goes back to ``tmp_dir``, which the caller removes."""
+    with contextlib.suppress(OSError):
+        os.remove(latest_tmp)
+    if placed and aside == tmp_dir:  # exchanged: swap back
+        _exchange_dirs(tmp_dir, final)
+        return
+    if placed:
+        with contextlib.suppress(OSError):
+            os.rename(final, tmp_dir)
+    if aside is not None and aside != tmp_dir and os.path.lexists(aside) and not os.path.lexists(final):
+        with contextlib.suppress(OSError):
+            os.rename(aside, final)
 
 
 def save_checkpoint(engine: EngineState, save_dir: str | os.PathLike[str], tag: str | None = None,
@@ -249,19 +290,26 @@ def save_checkpoint(engine: EngineState, save_dir: str | os.PathLike[str], tag: 
     save_dir = os.path.abspath(os.fspath(save_dir))
     tag = default_tag(engine) if tag is None else str(tag)
     client_state = {} if client_state is None else client_state
+    with comm.during(f"save_checkpoint({save_dir!r}, tag={tag!r}) after optimizer step {engine.global_steps}"):
+        return _save(engine, save_dir, tag, client_state)
+
+
+def _save(engine: EngineState, save_dir: str, tag: str, client_state: Any) -> str:
+    comm = engine.comm
+    out_of_step = engine.out_of_step("save_checkpoint")  # before any other exchange: [Note: phases in step]
+    if out_of_step is not None:
+        raise CheckpointError(f"save_checkpoint({save_dir!r}) refused, nothing was written: {out_of_step}")
     prepared, local_error = None, None
     try:
         prepared = _prepare(engine, tag, client_state)
     except CheckpointError as exc:
         local_error = exc
-    steps = [engine.global_steps, engine.micro_steps]
     outcomes = _exchange(comm, {"error": str(local_error) if local_error else None, "tag": tag, "rng": capture_rng(),
-                                "steps": steps, "whole_state": prepared.whole_state if prepared else None})
+                                "whole_state": prepared.whole_state if prepared else None})
     _raise_if_failed(outcomes, f"save_checkpoint({save_dir!r}, tag={tag!r}) refused; nothing was written", local_error)
     tags = sorted({o["tag"] for o in outcomes})
     if len(tags) > 1:
         raise CheckpointError(f"save_checkpoint: ranks passed different tags {tags}; pass the same tag on every rank")
-    _check_same_step(outcomes, save_dir)
     prepared = cast(_Prepared, prepared)  # _prepare succeeded on every rank
     if whole_params_of(engine) is not None:
         prepared.manifest[MANIFEST_KEY] = merge_records([o["whole_state"] for o in outcomes[:prepared.data_world_size]])
@@ -274,19 +322,6 @@ def save_checkpoint(engine: EngineState, save_dir: str | os.PathLike[str], tag: 
         if comm.rank == 0:
             shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
-
-
-def _check_same_step(outcomes: list[dict[str, Any]], save_dir: str) -> None:
-    """Every rank at the same optimizer step and micro-step (see [Note: rank agreement]): a rank
-    that ran an extra micro-step would save state the others do not have."""
-    steps = [tuple(o["steps"]) for o in outcomes]
-    if len(set(steps)) > 1:
-        shown = ", ".join(f"rank {rank} at step {g} micro-step {m}" for rank, (g, m) in enumerate(steps))
-        raise CheckpointError(
-            f"save_checkpoint({save_dir!r}) refused, nothing was written: the ranks are at different steps ({shown}); "
-            "every rank must run the same number of forward/backward/step calls (an uneven last batch or a "
-            "rank-dependent loop is the usual cause)"
-        )
 
 
 def _make_tmp_dir(comm: Any, save_dir: str, tag: str) -> tuple[str, str]:

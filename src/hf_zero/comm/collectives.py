@@ -180,6 +180,17 @@ class Communicator:
                 raise
             raise _describe_failure(self, kind, label, exc) from exc
 
+    @contextmanager
+    def during(self, activity: str) -> Iterator[None]:
+        """Collective errors inside the block say ``activity`` as where this rank was (a save
+        is not the optimizer step the engine's counters would name)."""
+        outer = self.where
+        self.where = lambda: activity
+        try:
+            yield
+        finally:
+            self.where = outer
+
     @property
     def grad_group(self) -> dist.ProcessGroup | None:
         return _GRAD_GROUPS.get(_grad_group_key(self.group)) if self.world_size > 1 else None
@@ -287,6 +298,21 @@ class Communicator:
             with record_function(f"hf_zero::broadcast::{label}"), self._reporting("broadcast", label):
                 dist.broadcast(tensor, src=src, group=self.group)
         return tensor
+
+    def exchange_phase(self, values: tuple[int, ...], device: torch.device, phase: str) -> list[tuple[int, ...]]:
+        """Every rank's ``values`` (a few integers, the same count on every rank) in one
+        fixed-size all-gather whose result the host reads: [Note: phases in step] in
+        hf_zero.comm.phases. Traced, not counted as model traffic."""
+        if not self.active:
+            return [tuple(values)]
+        mine = torch.tensor(values, dtype=torch.int64, device=device)
+        everyone = torch.empty(self.world_size * len(values), dtype=torch.int64, device=device)
+        if self.trace is not None:
+            self.trace.append(("phase", phase))
+        with record_function(f"hf_zero::phase::{phase}"), self._reporting("phase check", phase):
+            _ALL_GATHER(everyone, mine, group=self.group)
+        rows = everyone.view(self.world_size, len(values)).tolist()
+        return [tuple(row) for row in rows]
 
     def all_gather_objects(self, obj: object) -> list[object]:
         """Small Python objects (RNG states, sizes) from every rank; not counted as model traffic."""

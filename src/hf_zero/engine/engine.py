@@ -10,12 +10,13 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
-from hf_zero.comm import Communicator
+from hf_zero.comm import Communicator, out_of_step
 from hf_zero.engine.compiled_units import compile_units, is_compiled, training_without_cache
 from hf_zero.engine.hooks import UnitProtocol
 from hf_zero.engine.host_memory import return_freed_buffers_to_the_os
 from hf_zero.engine.memory import format_memory_table, memory_report
 from hf_zero.engine.optimizer import ZeroOptimizer
+from hf_zero.engine.rank_agreement import RankDisagreementError
 from hf_zero.engine.timers import PhaseTimers
 from hf_zero.engine.unit import ZeroUnit
 
@@ -76,10 +77,22 @@ class ZeroEngine(nn.Module):
             reduce_bucket_numel=int(config.zero.reduce_bucket_size),
             max_reuse_numel=int(config.zero.stage3_max_reuse_distance) if self.stage == 3 else 0,
         )
+        self.protocol.check_in = self.check_in
         if optimizer is not None and optimizer.overlapped is not None:
             self.protocol.on_grads_final = optimizer.overlapped.submit
         self.protocol.install()
         comm.where = self._progress  # named by collective errors ([Note: collective errors])
+
+    def out_of_step(self, phase: str) -> str | None:
+        """How the ranks are out of step as they start ``phase`` (one of ``hf_zero.comm.phases.PHASES``),
+        or None: [Note: phases in step]."""
+        return out_of_step(self.comm, self.device, phase, self.global_steps, self.micro_steps)
+
+    def check_in(self, phase: str) -> None:
+        """Raise :class:`RankDisagreementError` on every rank unless all start ``phase`` together."""
+        problem = self.out_of_step(phase)
+        if problem is not None:
+            raise RankDisagreementError(f"{phase} refused on every rank: {problem}")
 
     def _progress(self) -> str:
         return (f"optimizer step {self.global_steps + 1} (micro-step {self.micro_steps + 1}, "
@@ -178,6 +191,7 @@ class ZeroEngine(nn.Module):
                     "engine.step() needs an optimizer: put an \"optimizer\" section in the config "
                     "or pass optimizer= to hf_zero.initialize"
                 )
+            self.check_in("optimizer step")
             start = time.perf_counter()
             if self._timers is not None:
                 self._timers.start("step")

@@ -173,6 +173,9 @@ class UnitProtocol:
         self.is_boundary = is_boundary
         # Called with groups whose fp32 gradient shard is final at the accumulation boundary.
         self.on_grads_final: Callable[[list[FlatParamGroup]], None] | None = None
+        # Raises unless every rank starts the phase named together ([Note: phases in step]);
+        # the engine sets it. Stage 3 only: the phases here run collectives only there.
+        self.check_in: Callable[[str], None] = lambda phase: None
         self.handles: list[RemovableHandle] = []
         self.finish_queued = False
         # The shared schedule: forward order (root excluded; it runs around everything) and
@@ -262,6 +265,7 @@ class UnitProtocol:
             self._timed("gather", unit.unshard)
             return
         if unit is self.root:  # a new forward pass starts
+            self.check_in("forward")
             self.forward_cursor = 0
             self.training_pass = torch.is_grad_enabled()
             self._timed("gather", self._gather_forward, unit)
@@ -312,6 +316,8 @@ class UnitProtocol:
         return hook
 
     def _open_backward(self) -> None:
+        if self.stage == 3:
+            self.check_in("backward")
         self.backward_open = True
         self.backward_cursor = 0
         self.reductions.reset()
