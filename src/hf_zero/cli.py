@@ -55,7 +55,8 @@ def _export(args: argparse.Namespace, rest: list[str]) -> int:
 
     try:
         out = export_hf_model(args.ckpt_dir, args.out_dir, tag=args.tag, dtype=args.dtype,
-                              max_shard_size=args.max_shard_size, allow_unverified=args.allow_unverified)
+                              max_shard_size=args.max_shard_size, allow_unverified=args.allow_unverified,
+                              check_model=not args.skip_model_check)
     except (CheckpointError, ValueError) as error:
         print(f"hf-zero export: {error}", file=sys.stderr)
         return 1
@@ -97,6 +98,10 @@ def _add_export_and_estimate(sub: argparse._SubParsersAction) -> None:
     export.add_argument("--allow-unverified", action="store_true",
                         help="export a checkpoint without per-tensor checksums (format 1): damaged or substituted "
                         "weights would not be detected")
+    export.add_argument("--skip-model-check", action="store_true",
+                        help="do not compare the checkpoint's parameter names and shapes with the transformers model "
+                        "its config describes: for a model changed after it was built from its config (resized "
+                        "embeddings, an added head), from a checkpoint you trust")
     export.set_defaults(func=_export)
     estimate = sub.add_parser("estimate", formatter_class=_FORMATTER,
                               help="per-rank memory for model states under ZeRO stages 1-3 and offload",

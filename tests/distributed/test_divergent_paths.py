@@ -56,8 +56,9 @@ def _config(sc: dict[str, Any]) -> dict[str, Any]:
         "gradient_clipping": sc.get("clip", CLIP),
         "zero_optimization": {"stage": sc["stage"], "stage3_param_persistence_threshold": 0,
                               **sc.get("zero", {})},
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": 1e-8,
-                                                  "weight_decay": WEIGHT_DECAY}},
+        "optimizer": ({"type": "Adafactor", "params": {"lr": LR}} if sc.get("optimizer") == "adafactor" else
+                      {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": 1e-8,
+                                                   "weight_decay": WEIGHT_DECAY}}),
     }
 
 
@@ -70,7 +71,8 @@ def _train_ddp(sc: dict[str, Any], rank: int) -> dict[str, list[float]]:
 
     model = M.build(sc["model"])
     ddp = DistributedDataParallel(model, find_unused_parameters=True)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=1e-8, weight_decay=WEIGHT_DECAY)
+    optimizer = (torch.optim.Adafactor(model.parameters(), lr=LR) if sc.get("optimizer") == "adafactor" else
+                 torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=1e-8, weight_decay=WEIGHT_DECAY))
     gas = sc.get("gas", 1)
     for step in range(STEPS):
         for k in range(gas):
@@ -129,7 +131,8 @@ def runs(request: pytest.FixtureRequest) -> list[list[dict[str, Any]]]:
 
 def _id(sc: dict[str, Any]) -> str:
     extra = "-".join(f"{k}={v['device'] if isinstance(v, dict) else v}" for k, v in sc.get("zero", {}).items())
-    return f"{sc['model']}-stage{sc['stage']}-gas{sc.get('gas', 1)}" + (f"-{extra}" if extra else "")
+    return (f"{sc['model']}-stage{sc['stage']}-gas{sc.get('gas', 1)}" + (f"-{extra}" if extra else "")
+            + (f"-{sc['optimizer']}" if "optimizer" in sc else ""))
 
 
 @pytest.mark.parametrize("index", range(len(SCENARIOS)), ids=[_id(s) for s in SCENARIOS])
@@ -142,7 +145,7 @@ def test_divergent_paths_match_ddp_find_unused(runs, index):
 def test_paths_really_diverge():
     """The schedule above makes ranks take different paths, and leaves some unit unused by every
     rank in some step (the case where DDP leaves ``grad`` None)."""
-    for kind in M.MODELS:
+    for kind in ("layerdrop_tower", "moe"):
         model = M.build(kind)
         unit_names = [n for n, m in model.named_modules() if type(m).__name__ in model._no_split_modules]
         differs, unused_everywhere = False, False

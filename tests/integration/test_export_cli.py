@@ -134,3 +134,27 @@ def test_exporting_again_replaces_the_weights_and_keeps_other_files(checkpoint, 
     assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json"]
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     assert sorted(os.listdir(tmp_path)) == ["hf"]
+
+
+def test_a_checkpoint_whose_names_differ_from_its_model_needs_skip_model_check(checkpoint, tmp_path):
+    save_dir = str(tmp_path / "ckpt")
+    shutil.copytree(checkpoint[0], save_dir)
+    with open(os.path.join(save_dir, "latest")) as handle:
+        manifest_path = os.path.join(save_dir, handle.read().strip(), "manifest.json")
+    with open(manifest_path) as handle:
+        manifest = json.load(handle)
+    slot = next(s for g in manifest["groups"] for s in g["slots"] if s["name"] == "model.norm.weight")
+    slot["name"] = "model.final_norm.weight"  # as if the model was changed after it was built from its config
+    with open(manifest_path, "w") as handle:
+        json.dump(manifest, handle)
+    out = tmp_path / "hf"
+    refused = subprocess.run([*_hf_zero(), "export", save_dir, str(out)], capture_output=True, text=True)
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr
+    assert "do not match the LlamaForCausalLM" in refused.stderr and "model.norm.weight: missing" in refused.stderr
+    assert "--skip-model-check" in refused.stderr
+    assert not out.exists()
+    done = subprocess.run([*_hf_zero(), "export", save_dir, str(out), "--skip-model-check"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "check_model=False" in done.stderr  # the risk is named
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]

@@ -202,6 +202,18 @@ def test_each_invalid_hyperparameter_is_named(key, value):
     assert len(problems) == 1 and problems[0].startswith(f"optimizer.param_groups[0].{key} ")
 
 
+@pytest.mark.parametrize("slot_steps,phrase", [([1, 0], None), ([1], "expected a list of 2 step counts"),
+                                               ("12", "expected a list of 2 step counts"),
+                                               ([1, -1], "slot_steps[1] is -1: expected a finite integer >= 0"),
+                                               ([1, math.nan], "slot_steps[1] is nan")])
+def test_per_parameter_step_counts_are_checked(slot_steps, phrase):
+    manifest = _run_manifest()
+    manifest["groups"][0]["slots"] = [{"name": "a"}, {"name": "b"}]
+    manifest["groups"][0]["optimizer_scalars"]["slot_steps"] = slot_steps
+    problems = run_state_problems(manifest, True, CURRENT)
+    assert problems == [] if phrase is None else (len(problems) == 1 and phrase in problems[0]), problems
+
+
 def test_the_optimizer_part_is_checked_only_when_it_is_loaded():
     manifest = _run_manifest(lr="abc")
     manifest["global_steps"] = -1

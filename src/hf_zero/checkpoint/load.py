@@ -37,7 +37,9 @@ from hf_zero.checkpoint.offloaded import (
     check_streamed_keys, is_streamed, load_streamed_optimizer, load_streamed_parameters,
 )
 from hf_zero.checkpoint.reader import RankFiles
-from hf_zero.checkpoint.reshard import Piece, SavedSlot, index_saved_slots, plan_pieces
+from hf_zero.checkpoint.reshard import (
+    Piece, SavedSlot, index_saved_slots, merged_scalars, plan_pieces,
+)
 from hf_zero.checkpoint.safetensors_io import TAG_DTYPES
 from hf_zero.checkpoint.validate import check_run_state
 from hf_zero.checkpoint.whole_state import (
@@ -154,6 +156,7 @@ def _plan_reads(engine: EngineState, ckpt_dir: str, manifest: dict[str, Any], lo
     if load_optimizer:
         _check_optimizer(engine, manifest, manifest_path)
     plans = []
+    per_slot = engine.optimizer is not None and getattr(engine.optimizer.inner, "per_slot_steps", False)
     for group in flat_groups(engine):
         pieces = plan_pieces(group.layout.slots, group.shard_range, saved)
         keys = _optim_keys(group, saved, manifest, manifest_path) if load_optimizer and group.master is not None else []
@@ -161,10 +164,11 @@ def _plan_reads(engine: EngineState, ckpt_dir: str, manifest: dict[str, Any], lo
         source = saved[group.layout.slots[0].name].group_index
         record = manifest["groups"][source]
         dtypes = {key: TAG_DTYPES[record["tensors"][OPTIM_PREFIX + key]] for key in keys}
-        encoded = record.get("optimizer_scalars") or {}
-        scalars = decode_state(encoded, f"groups[{source}].optimizer_scalars") if keys else {}
-        if not isinstance(scalars, dict):
+        if not isinstance(decode_state(record.get("optimizer_scalars") or {}, f"groups[{source}].optimizer_scalars"), dict):
             raise CheckpointError(f"{manifest_path}: optimizer_scalars of {record['group']} is not an object")
+        # Step counts per parameter, mapped by name ([Note: one step count per group] in reshard.py).
+        scalars = merged_scalars(group.label, group.layout.slots, saved, manifest, manifest_path,
+                                 per_slot=per_slot) if keys else {}
         plans.append(_GroupPlan(group, pieces, source, keys, dtypes, scalars))
     saved_buffers = {b["name"] for b in manifest["model"].get("buffers", [])}
     buffers = [(n, b) for n, b in persistent_buffers(engine.module) if n in saved_buffers]
@@ -347,6 +351,16 @@ def load_checkpoint(
     refused unless ``allow_unverified=True``: the risk of loading data nothing can verify
     (see [Note: verified loads]).
     """
+    with engine.comm.during(f"load_checkpoint({os.fspath(load_dir)!r}) at optimizer step {engine.global_steps}"):
+        return _load(engine, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only,
+                     allow_unverified)
+
+
+def _load(engine: EngineState, load_dir: str | os.PathLike[str], tag: str | None, load_optimizer_states: bool,
+          load_lr_scheduler_states: bool, load_module_only: bool, allow_unverified: bool) -> tuple[str, Any]:
+    out_of_step = engine.out_of_step("load_checkpoint")  # before any other exchange: [Note: phases in step]
+    if out_of_step is not None:
+        raise CheckpointError(f"load_checkpoint({os.fspath(load_dir)!r}) refused, nothing was changed: {out_of_step}")
     load_optimizer = load_optimizer_states and not load_module_only and engine.optimizer is not None
     plan, local_error = None, None
     try:

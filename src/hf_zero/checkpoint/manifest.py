@@ -14,6 +14,7 @@ import json
 import math
 import os
 import random
+import re
 from typing import Any, Iterator, Mapping
 
 import torch
@@ -289,6 +290,16 @@ def tied_weight_patterns(module: nn.Module) -> list[str]:
     return patterns
 
 
+def tied_weight_names(module: nn.Module) -> list[str]:
+    """The parameter names (every name of every parameter) that a pattern of
+    :func:`tied_weight_patterns` finds, with ``re.search`` as transformers matches them. They are
+    resolved here, from the model's own patterns, so that export compares names exactly and
+    never runs a pattern read from a manifest (see [Note: manifest names are data] in export.py)."""
+    patterns = [re.compile(pattern) for pattern in tied_weight_patterns(module)]
+    names = [name for name, _ in module.named_parameters(remove_duplicate=False)]
+    return [name for name in names if any(pattern.search(name) for pattern in patterns)]
+
+
 def _json_of(obj: Any, **kwargs: Any) -> dict[str, Any] | None:
     to_json = getattr(obj, "to_json_string", None)
     if to_json is None:
@@ -310,7 +321,8 @@ def describe_model(module: nn.Module) -> dict[str, Any]:
         "generation_config": (_json_of(generation, use_diff=True)
                               if generation is not None and callable(can_generate) and can_generate() else None),
         "aliases": parameter_aliases(module),
-        "tied_weight_keys": tied_weight_patterns(module),
+        "tied_weight_names": tied_weight_names(module),
+        "tied_weight_keys": tied_weight_patterns(module),  # what hf_zero before tied_weight_names reads
         "keys_to_ignore_on_save": list(getattr(module, "_keys_to_ignore_on_save", None) or []),
         "buffers": [{"name": n, "dtype": str(b.dtype).removeprefix("torch."), "shape": list(b.shape)}
                     for n, b in persistent_buffers(module)],

@@ -69,7 +69,10 @@ def streamed_entries(engine: EngineState, group: FlatParamGroup) -> tuple[Tensor
         return param, [], {}
     moments = [(key, TensorEntry(tensor_name(label, OPTIM_PREFIX + key), torch.float32, (numel,), tiles(key)))
                for key in MOMENTS]
-    return param, moments, {"step": store.steps[index]}
+    scalars: dict[str, Any] = {"step": store.steps[index]}
+    if store.slot_steps[index] is not None:  # see [Note: parameters no rank used]
+        scalars["slot_steps"] = list(store.slot_steps[index])
+    return param, moments, scalars
 
 
 # ------------------------------------------------------------------ load
@@ -123,3 +126,5 @@ def load_streamed_optimizer(engine: EngineState, group: FlatParamGroup, pieces: 
             for start in range(0, numel, store.tile_numel):
                 store.write(group.nvme_index, key, start, zeros[: min(store.tile_numel, numel - start)])
     store.steps[group.nvme_index] = int(scalars.get("step", 0)) if keys else 0
+    slot_steps = scalars.get("slot_steps") if keys else None
+    store.slot_steps[group.nvme_index] = [int(c) for c in slot_steps] if slot_steps is not None else None

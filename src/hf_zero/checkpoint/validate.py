@@ -145,12 +145,20 @@ def step_problem(where: str, value: Any) -> str | None:
     return None
 
 
-def _scalars_problems(where: str, encoded: Any) -> list[str]:
+def _scalars_problems(where: str, encoded: Any, slot_count: int | None = None) -> list[str]:
     scalars = decode_state(encoded or {}, where)
     if not isinstance(scalars, dict):
         return [f"{where} is not an object"]
     problem = step_problem(f"{where}.step", scalars["step"]) if "step" in scalars else None
-    return [problem] if problem else []
+    problems = [problem] if problem else []
+    if "slot_steps" in scalars:  # one step count per parameter: [Note: parameters no rank used]
+        counts = scalars["slot_steps"]
+        if not isinstance(counts, list) or (slot_count is not None and len(counts) != slot_count):
+            problems.append(f"{where}.slot_steps is {counts!r:.60}: expected a list of {slot_count} step counts, "
+                            "one per parameter of the group")
+        else:
+            problems += [p for i, c in enumerate(counts) if (p := step_problem(f"{where}.slot_steps[{i}]", c))]
+    return problems
 
 
 def _group_state_problems(index: int, record: Mapping[str, Any]) -> list[str]:
@@ -158,7 +166,8 @@ def _group_state_problems(index: int, record: Mapping[str, Any]) -> list[str]:
     problems = [f"{where}.tensors.{key} is {dtype!r:.20}: optimizer state is {' or '.join(OPTIM_STATE_DTYPES)}"
                 for key, dtype in record["tensors"].items()
                 if key.startswith(OPTIM_PREFIX) and dtype not in OPTIM_STATE_DTYPES]
-    return problems + _scalars_problems(f"{where}.optimizer_scalars", record.get("optimizer_scalars"))
+    return problems + _scalars_problems(f"{where}.optimizer_scalars", record.get("optimizer_scalars"),
+                                        len(record["slots"]) if isinstance(record.get("slots"), list) else None)
 
 
 def _whole_state_problems(saved: Any, file_count: int) -> list[str]:

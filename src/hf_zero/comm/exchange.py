@@ -15,6 +15,12 @@ collectives.py), so exchanges in flight at once cannot take each other's chunks 
 three in flight, waited in reverse). Only the owner of a chunk holds its sum, so the order of
 the additions needs no agreement between ranks. NCCL and other backends keep their native
 reduce-scatter.
+
+The output may alias the input's chunk of this rank (an in-place reduce-scatter, as
+``dist.reduce_scatter_tensor`` allows): the first addition writes the output, so from rank 2 on
+it would overwrite this rank's own chunk before that chunk is added. :meth:`wait` then copies the
+chunk first, one chunk of extra memory and only when they overlap; the sum, and its order, are
+those of the non-aliased call.
 """
 
 from __future__ import annotations
@@ -51,8 +57,17 @@ class ExchangeReduceScatter:
             work.wait()
         # This rank's chunk from every rank, added in rank order: the same order on every run.
         rows = iter(self._received)
-        ordered = [self._own if r == self._rank else next(rows) for r in range(self._world)]
+        own = self._own.clone() if _overlaps(self._own, self._shard) else self._own
+        ordered = [own if r == self._rank else next(rows) for r in range(self._world)]
         torch.add(ordered[0], ordered[1], out=self._shard)
         for part in ordered[2:]:
             self._shard.add_(part)
         self._summed = True
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors share any byte of memory."""
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    a_lo, b_lo = a.data_ptr(), b.data_ptr()
+    return a_lo < b_lo + b.numel() * b.element_size() and b_lo < a_lo + a.numel() * a.element_size()

@@ -26,6 +26,7 @@ from torch import nn
 from hf_zero.comm import Communicator, Handle
 from hf_zero.engine.grad_average import plan_average, post_divisor
 from hf_zero.engine.param_source import ParamSource
+from hf_zero.engine.param_usage import shard_segments
 from hf_zero.engine.sharded_param import mark_gathered, mark_sharded
 from hf_zero.execution import execution_for, poison_before_free
 from hf_zero.offload import NvmeShard, OffloadSettings
@@ -134,10 +135,12 @@ class FlatParamGroup:
         self.master: torch.Tensor | None = None
         self.grad_full: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
-        # Whether any parameter of this group got a gradient on this rank since the last
-        # optimizer step: a group no rank used is not stepped (see ZeroOptimizer.step).
-        self.grad_received = False
-        self.used_in_step = True  # set by the optimizer step: some rank used this group
+        # [Note: parameters no rank used] in hf_zero.engine.param_usage: per parameter, whether
+        # it got a gradient on this rank since the last optimizer step, and whether some rank
+        # did (set by the optimizer step, the same on every rank).
+        self.grads_received = [False] * len(self.params)
+        self.params_used = [True] * len(self.params)
+        self.segments = shard_segments(self.layout, self.shard_range)
         if kind.trainable:
             self._init_master_and_grads(compute_dtype, device, separate_master=leaves_device)
         # The shard leaves the device after the master is made from it (the master stays on
@@ -418,8 +421,24 @@ class FlatParamGroup:
             param.grad = None
         free_storage(self.grad_full)
 
+    @property
+    def grad_received(self) -> bool:
+        """Some parameter of the group got a gradient on this rank since the last step."""
+        return any(self.grads_received)
+
+    @property
+    def fully_received(self) -> bool:
+        """Every parameter of the group got a gradient on this rank: all are used, whatever
+        the other ranks did."""
+        return all(self.grads_received)
+
+    @property
+    def used_in_step(self) -> bool:
+        """Some rank used some parameter of the group in this step: it is stepped."""
+        return any(self.params_used)
+
     def zero_grad_shard(self) -> None:
-        self.grad_received = False
+        self.grads_received = [False] * len(self.params)
         self.land_host_grads()  # a copy in flight must not land in the next step's shard
         if self.grad_shard is not None:
             self.grad_shard.zero_()

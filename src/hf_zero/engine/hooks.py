@@ -203,9 +203,9 @@ class UnitProtocol:
             self.handles.append(unit.module.register_forward_pre_hook(self._hook_pre_forward(unit), with_kwargs=True))
             self.handles.append(unit.module.register_forward_hook(self._hook_post_forward(unit)))
             for group in unit.trainable_groups:
-                for param in group.params:
+                for index, param in enumerate(group.params):
                     self.handles.append(
-                        param.register_post_accumulate_grad_hook(self._hook_post_accumulate(unit, group))
+                        param.register_post_accumulate_grad_hook(self._hook_post_accumulate(unit, group, index))
                     )
 
     def remove(self) -> None:
@@ -240,9 +240,9 @@ class UnitProtocol:
 
         return hook
 
-    def _hook_post_accumulate(self, unit: ZeroUnit, group: FlatParamGroup) -> Callable:
+    def _hook_post_accumulate(self, unit: ZeroUnit, group: FlatParamGroup, index: int) -> Callable:
         def hook(param: torch.Tensor) -> None:
-            self.grad_arrived(unit, group)
+            self.grad_arrived(unit, group, index)
 
         return hook
 
@@ -369,8 +369,9 @@ class UnitProtocol:
             start = self.backward_position[unit.index]
             self._prefetch(self.backward_order, start + 1, self._live_numel_ahead(start))
 
-    def grad_arrived(self, unit: ZeroUnit, group: FlatParamGroup) -> None:
-        """A trainable parameter's gradient was accumulated (post-accumulate-grad hook)."""
+    def grad_arrived(self, unit: ZeroUnit, group: FlatParamGroup, index: int) -> None:
+        """Parameter ``index`` of ``group`` got its gradient accumulated (post-accumulate-grad
+        hook)."""
         if unit.grad_state is GradState.IDLE:  # reached without its output: a parameter used
             unit.move_grads(GradState.ACCUMULATING)  # outside the unit's forward
         elif unit.grad_state is not GradState.ACCUMULATING:
@@ -380,7 +381,7 @@ class UnitProtocol:
                 "unit order on this rank. Make the module a single unit "
                 "(zero_optimization.wrap_modules) or run it in the model's order"
             )
-        group.grad_received = True
+        group.grads_received[index] = True  # [Note: parameters no rank used]
         unit.pending_grads -= 1
         if unit.pending_grads == 0:
             self._maybe_release(unit)  # the parameters; the gradients may still be in flight
@@ -430,7 +431,9 @@ class UnitProtocol:
         for group in pending.groups:
             group.owner.group_reduced()
         if self.on_grads_final is not None and self.is_boundary():
-            self.on_grads_final([g for g in pending.groups if g.grad_shard is not None and g.grad_received])
+            # Only groups whose every parameter this rank used: whether another rank used the
+            # rest is known at the step ([Note: parameters no rank used]).
+            self.on_grads_final([g for g in pending.groups if g.grad_shard is not None and g.fully_received])
 
     def finish_backward(self) -> None:
         self.finish_queued = False

@@ -20,6 +20,7 @@ import torch
 from hf_zero.comm import Communicator
 from hf_zero.engine.buckets import all_gather_updated
 from hf_zero.engine.flat_group import FlatParamGroup
+from hf_zero.engine.param_usage import Segment, advanced_steps, step_runs, unused_ranges
 from hf_zero.transfer import assert_not_host, is_host_store, mark_host, to_compute
 
 logger = logging.getLogger("hf_zero")
@@ -36,6 +37,7 @@ class ZeroAdam(torch.optim.Optimizer):
     """
 
     hf_zero_elementwise = True  # see [Note: element-wise optimizers] in hf_zero.engine.optimizer_kinds
+    per_slot_steps = True  # state["slot_steps"]: one step count per parameter ([Note: parameters no rank used])
 
     def __init__(
         self,
@@ -52,6 +54,10 @@ class ZeroAdam(torch.optim.Optimizer):
         )
         super().__init__(params, defaults)
         self.compute_copy: dict[int, torch.Tensor] = {}  # id(master) -> 16-bit shard to refresh
+        # id(master) -> its FlatParamGroup, whose ``segments`` and ``params_used`` say what a step
+        # updates (set by ZeroOptimizer; a master without one steps whole): [Note: parameters
+        # no rank used]
+        self.usage: dict[int, FlatParamGroup] = {}
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None, grad_scale: float = 1.0, clip_coef: float = 1.0):  # type: ignore[override]
@@ -73,15 +79,23 @@ class ZeroAdam(torch.optim.Optimizer):
             state["step"] = 0
             state["exp_avg"] = torch.zeros_like(master)
             state["exp_avg_sq"] = torch.zeros_like(master)
-        state["step"] += 1
+        owner = self.usage.get(id(master))
+        segments, used = (owner.segments, owner.params_used) if owner else ([Segment(0, 0, master.numel())], [True])
+        # A checkpoint from before per-parameter counts: every parameter at the shard's count.
+        slot_steps = state.get("slot_steps") or [int(state["step"])] * len(used)
+        state["slot_steps"] = advanced_steps(slot_steps, used)
+        state["step"] += 1  # the steps this master took at all (what torch's state_dict shows)
         beta1, beta2 = group["betas"]
-        fused_adam_(
-            master, master.grad, state["exp_avg"], state["exp_avg_sq"],
-            lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-            weight_decay=group["weight_decay"], step=state["step"],
-            adamw=group["decoupled_weight_decay"], grad_scale=grad_scale,
-            clip_coef=clip_coef, out=self.compute_copy.get(id(master)),
-        )
+        out = self.compute_copy.get(id(master))
+        for run in step_runs(segments, used, state["slot_steps"]):
+            part = slice(run.lo, run.hi)
+            fused_adam_(
+                master[part], master.grad[part], state["exp_avg"][part], state["exp_avg_sq"][part],
+                lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                weight_decay=group["weight_decay"], step=run.step,
+                adamw=group["decoupled_weight_decay"], grad_scale=grad_scale,
+                clip_coef=clip_coef, out=None if out is None else out[part],
+            )
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -127,6 +141,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.whole_params: Any = None  # a WholeParamStep: see [Note: whole-parameter step]
         if isinstance(inner, ZeroAdam):
             for g in self.groups:
+                if g.master is not None:
+                    inner.usage[id(g.master)] = g
                 # The kernel writes the compute copy in the same pass, unless the master is on the
                 # host (offloaded) or the shard in a file: then it is written after the step.
                 separate = g.master is not None and g.master.data_ptr() != g.shard.data_ptr()
@@ -183,23 +199,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 terms += to_compute(mark_host(part), self.device) if host else part
         return terms
 
-    def _all_ranks_norm(self, local: torch.Tensor) -> tuple[float, bool, list[bool]]:
-        """This rank's [squared norm, non-finite flag] summed over ranks, and which groups got a
-        gradient on some rank: one all-reduce for all three.
-
-        [Note: groups no rank used]
-        A group none of whose parameters got a gradient on any rank since the last step (a layer
-        every rank skipped, an expert no token reached) is not stepped, as torch optimizers skip a
-        parameter whose ``grad`` is None and as DDP(find_unused_parameters=True) leaves such a
-        gradient None: no weight decay, no moment update, no step count. A group some rank used
-        is stepped on every rank, with the zeros the other ranks contributed."""
+    def _all_ranks_norm(self, local: torch.Tensor) -> tuple[float, bool, list[list[bool]]]:
+        """This rank's [squared norm, non-finite flag] summed over ranks, and, per group, which
+        parameters got a gradient on some rank: one all-reduce for all three ([Note: parameters
+        no rank used] in hf_zero.engine.param_usage; torch's norm skips a None gradient, and an
+        unused parameter's gradient here is zeros, so the norm is the same)."""
         assert_not_host(local, "the grad-norm all-reduce")  # packed below: the check must see it here
-        used = torch.tensor([float(g.grad_received) for g in self.groups], dtype=torch.float32, device=self.device)
-        packed = torch.cat([local, used])
+        flags = [float(received) for g in self.groups for received in g.grads_received]
+        packed = torch.cat([local, torch.tensor(flags, dtype=torch.float32, device=self.device)])
         if self.stage == 0 and self.comm.rank != 0:
             packed[:2] = 0  # stage 0 gradients are identical on every rank: count them once
         self.comm.all_reduce_(packed, label="grad_norm")
-        return float(packed[0]), bool(packed[1] > 0), (packed[2:] > 0).tolist()
+        used_flat = (packed[2:] > 0).tolist()
+        used, start = [], 0
+        for group in self.groups:
+            used.append(used_flat[start:start + len(group.params)])
+            start += len(group.params)
+        return float(packed[0]), bool(packed[1] > 0), used
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for group in self.groups:
@@ -232,7 +248,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         clip_coef = 1.0
         if self.gradient_clipping > 0:
             clip_coef = min(1.0, self.gradient_clipping / (norm + CLIP_EPS))
-        with _skipping_unused(self.groups, used):
+        whole_tensors = self.nvme is None and self.whole_params is None and not isinstance(self.inner, ZeroAdam)
+        with _skipping_unused(self.groups, used, self.inner, put_back_partial=whole_tensors):
             self._inner_step(scale, clip_coef)
         all_gather_updated(self.groups, self.comm, self.allgather_bucket_numel)
         if self.loss_scaler is not None:
@@ -277,7 +294,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """The step of one group without loss scale or clipping (the overlapped offload step)."""
         if self.nvme is not None:
             self.nvme.step(group.nvme_index, group.grad_shard, group.write_compute_shard, self._hyper_of(group),
-                           grad_scale=1.0, clip_coef=1.0)
+                           grad_scale=1.0, clip_coef=1.0, usage=(group.segments, group.params_used))
             return
         self.inner.step_master(group.master, self._hyper_of(group))
         self._refresh_compute_copy(group)
@@ -286,11 +303,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """See [Note: overlapped offload step]: wait for the worker, step what it did not get,
         then report the norm and all-gather as the plain step does."""
         results = self.overlapped.wait()
-        # Groups this rank did not use were held back ([Note: groups no rank used]): step those
-        # some other rank used.
+        # Groups this rank did not use in full were held back ([Note: parameters no rank used]):
+        # step those some rank used, each parameter as the ranks used it.
         _, _, used = self._all_ranks_norm(torch.zeros(2, dtype=torch.float32, device=self.device))
         for group, group_used in zip(self.groups, used):
-            if group.grad_shard is not None and id(group) not in results and group_used:
+            if id(group) in results:  # stepped on the worker: this rank used every parameter
+                continue
+            group.params_used = group_used
+            if group.grad_shard is not None and any(group_used):
                 results[id(group)] = self.overlapped.step_group(group)
         sqnorm = sum(sq for sq, _ in results.values())
         nonfinite = any(found for _, found in results.values())
@@ -329,24 +349,57 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if group.grad_shard is None or group.nvme_index is None or not group.used_in_step:
                 continue
             self.nvme.step(group.nvme_index, group.grad_shard, group.write_compute_shard, self._hyper_of(group),
-                           grad_scale=scale, clip_coef=clip_coef)
+                           grad_scale=scale, clip_coef=clip_coef, usage=(group.segments, group.params_used))
 
 
 @contextlib.contextmanager
-def _skipping_unused(groups: list[FlatParamGroup], used: list[bool]) -> Iterator[None]:
-    """Inside the block, the masters of groups no rank used have ``grad`` None, so any torch
-    optimizer skips them ([Note: groups no rank used])."""
-    hidden = []
+def _skipping_unused(groups: list[FlatParamGroup], used: list[list[bool]], inner: torch.optim.Optimizer,
+                     put_back_partial: bool) -> Iterator[None]:
+    """Inside the block, each group's ``params_used`` is this step's and the masters of groups
+    no rank used have ``grad`` None, so any torch optimizer skips them. With ``put_back_partial``
+    (an optimizer that steps whole tensors), the elements of unused parameters in a group that is
+    stepped, and their element-wise state, are put back afterwards ([Note: parameters no rank
+    used] in hf_zero.engine.param_usage)."""
+    hidden, kept = [], []
     for group, group_used in zip(groups, used):
-        group.used_in_step = group_used
-        if not group_used and group.master is not None and group.master.grad is not None:
-            hidden.append((group.master, group.master.grad))
-            group.master.grad = None
+        group.params_used = group_used
+        master = group.master
+        if master is None:
+            continue
+        if not any(group_used) and master.grad is not None:
+            hidden.append((master, master.grad))
+            master.grad = None
+        elif put_back_partial and not all(group_used):
+            kept.append((group, _unused_elements(group, inner)))
     try:
         yield
     finally:
         for master, grad in hidden:
             master.grad = grad
+        for group, saved in kept:
+            _put_back(group, inner, saved)
+
+
+def _unused_elements(group: FlatParamGroup, inner: torch.optim.Optimizer) -> list[tuple[str, int, torch.Tensor]]:
+    """Copies of the unused parameters' elements of the master and of its element-wise state."""
+    master = group.master
+    tensors = {"": master, **{k: v for k, v in inner.state.get(master, {}).items()
+                              if isinstance(v, torch.Tensor) and v.shape == master.shape}}
+    return [(key, lo, tensor[lo:hi].clone()) for key, tensor in tensors.items()
+            for lo, hi in unused_ranges(group.segments, group.params_used)]
+
+
+def _put_back(group: FlatParamGroup, inner: torch.optim.Optimizer, saved: list[tuple[str, int, torch.Tensor]]) -> None:
+    master = group.master
+    state = inner.state.get(master, {})
+    with torch.no_grad():
+        for key, lo, values in saved:
+            tensor = master if key == "" else state[key]
+            tensor[lo:lo + values.numel()].copy_(values)
+        for key, tensor in state.items():  # state the step created: an unused element's stays zero
+            if isinstance(tensor, torch.Tensor) and tensor.shape == master.shape and not any(k == key for k, _, _ in saved):
+                for lo, hi in unused_ranges(group.segments, group.params_used):
+                    tensor[lo:hi].zero_()
 
 
 def _nonfinite_message(gradient_clipping: float) -> str:

@@ -71,6 +71,7 @@ class OverlappedOffloadStep:
                     "engine.step(); with offload_optimizer the step starts during the boundary's "
                     "backward, so call engine.step() after each boundary backward (or set "
                     "gradient_accumulation_steps to accumulate)")
+            group.params_used = [True] * len(group.params)  # submitted only when this rank used all
             self.futures[id(group)] = self.pool.submit(self.step_group, group)
 
     def step_group(self, group: FlatParamGroup) -> tuple[float, bool]:

@@ -12,6 +12,13 @@ While its unit is sharded, each plain ``nn.Parameter`` of it has its class switc
 parameters at no cost). Its ``__torch_function__`` lets metadata through (shape, dtype, device,
 ``requires_grad``, ``.grad`` and ``.data`` assignments, views) and turns any other operation into
 an error that names the parameter and says how to read it: ``engine.gathered_parameters``.
+
+A metadata operation can still hand out a plain tensor over the freed storage (``param.data``,
+``param.detach()``, ``param.view(...)``), and torch's CPU kernels read such a tensor's null
+storage without a check: ``param.data.sum()`` was a SIGSEGV. Such a result is returned as a
+:class:`ShardedView`, which carries the parameter's name and the same guard, so it gets the same
+error (``copy.deepcopy(param)`` goes through ``param.data`` and gets it too). Once the unit is
+gathered again, a view kept from before reads the values like any tensor.
 """
 
 from __future__ import annotations
@@ -36,18 +43,55 @@ class ShardedParameter(nn.Parameter):
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if getattr(func, "__name__", "") not in _METADATA_OPS:
-            freed = [a for a in _flat(args, kwargs) if isinstance(a, ShardedParameter) and not _allocated(a)]
-            if freed:
-                names = ", ".join(repr(getattr(p, "_hf_zero_name", "?")) for p in freed)
-                raise RuntimeError(
-                    f"hf_zero: parameter {names} is sharded by ZeRO stage 3 and is not gathered here "
-                    f"({getattr(func, '__name__', func)} needs its values). Outside the engine's forward "
-                    "and backward, read it inside `with engine.gathered_parameters([param]):` "
-                    "(add modifier_rank=0 to write it)"
-                )
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **(kwargs or {}))
+        return _guarded_call(func, args, kwargs)
+
+
+class ShardedView(torch.Tensor):
+    """A tensor over a sharded parameter's freed storage (``param.data`` and other views): the
+    same guard as :class:`ShardedParameter`, so reading its values is an error, not a crash."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        return _guarded_call(func, args, kwargs)
+
+
+def _guarded_call(func: Any, args: tuple, kwargs: dict | None) -> Any:
+    """Run ``func`` unless it needs the values of a freed parameter; wrap a plain view of one."""
+    name = getattr(func, "__name__", "")
+    if name not in _METADATA_OPS:
+        freed = _freed(args, kwargs)
+        if freed:
+            raise RuntimeError(
+                f"hf_zero: parameter {_names(freed)} is sharded by ZeRO stage 3 and is not gathered "
+                f"here ({name or func} needs its values). Outside the engine's forward and backward, "
+                "read it inside `with engine.gathered_parameters([param]):` (add modifier_rank=0 to "
+                "write it)"
+            )
+    with torch._C.DisableTorchFunctionSubclass():
+        result = func(*args, **(kwargs or {}))
+        # Only a plain tensor can be a new view (``.to`` and ``detach_`` give the parameter
+        # itself); checked here, where reading its storage runs no __torch_function__.
+        if type(result) is torch.Tensor and result.numel() > 0 and result.untyped_storage().nbytes() == 0:
+            return _guard_view(result, args, kwargs)
+    return result
+
+
+def _guard_view(result: torch.Tensor, args: tuple, kwargs: dict | None) -> torch.Tensor:
+    """``result`` as a :class:`ShardedView` if it is a view of a sharded parameter's storage."""
+    for arg in _flat(args, kwargs):
+        if isinstance(arg, (ShardedParameter, ShardedView)) and torch._C._is_alias_of(result, arg):
+            view = result.as_subclass(ShardedView)
+            view._hf_zero_name = getattr(arg, "_hf_zero_name", "?")
+            return view
+    return result
+
+
+def _freed(args: tuple, kwargs: dict | None) -> list[torch.Tensor]:
+    return [a for a in _flat(args, kwargs) if isinstance(a, (ShardedParameter, ShardedView)) and not _allocated(a)]
+
+
+def _names(tensors: list[torch.Tensor]) -> str:
+    return ", ".join(repr(getattr(t, "_hf_zero_name", "?")) for t in tensors)
 
 
 def _allocated(param: torch.Tensor) -> bool:

@@ -103,10 +103,10 @@ class WholeParamStep:
         coefficient over loss scale), then write every rank's master shard."""
         for group in self.groups:
             full_grad = self._gather(group, group.grad_shard, "whole_param_grad")
+            used = dict(zip((slot.name for slot in group.layout.slots), group.params_used))
             for slot, master in self.owned[id(group)]:
-                # A group no rank used is not stepped ([Note: groups no rank used]).
-                master.grad = (slot.view_in(full_grad) * factor
-                               if group.used_in_step else None)
+                # A parameter no rank used is not stepped ([Note: parameters no rank used]).
+                master.grad = slot.view_in(full_grad) * factor if used[slot.name] else None
         assert self.inner is not None, "initialize builds the optimizer over param_groups"
         self.inner.step()
         for group in self.groups:

@@ -129,6 +129,9 @@ class NvmeOptimizerStore:
         os.makedirs(self.dir, exist_ok=True)
         self.numels = shard_numels
         self.steps = [0] * len(shard_numels)
+        # Per group, one step count per parameter once it has stepped ([Note: parameters no rank
+        # used] in hf_zero.engine.param_usage); None: every parameter at ``steps``.
+        self.slot_steps: list[list[int] | None] = [None] * len(shard_numels)
         self.tile_numel = max(1, min(tile_numel, max(shard_numels, default=1)))
         self._fds: dict[tuple[int, str], int] = {}
         for index, numel in enumerate(shard_numels):
@@ -171,39 +174,53 @@ class NvmeOptimizerStore:
             yield self.read_into(index, state, start, buffer[: stop - start])
 
     def step(self, index: int, grad: torch.Tensor, write_compute: Callable[[torch.Tensor, int], None],
-             hyper: dict[str, Any], grad_scale: float, clip_coef: float) -> None:
+             hyper: dict[str, Any], grad_scale: float, clip_coef: float,
+             usage: tuple[list[Any], list[bool]] | None = None) -> None:
         """One Adam step of group ``index``, tile by tile; each updated master tile goes to
-        ``write_compute(tile, start)`` (the group's ``write_compute_shard``)."""
+        ``write_compute(tile, start)`` (the group's ``write_compute_shard``). ``usage``: the
+        shard's segments and which parameters some rank used (all, when None); tiles holding only
+        unused parameters are neither read nor written."""
+        from hf_zero.engine.param_usage import Segment, advanced_steps, step_runs
         from hf_zero.kernels import fused_adam_
 
+        segments, used = usage or ([Segment(0, 0, self.numels[index])], [True])
+        slot_steps = self.slot_steps[index] or [self.steps[index]] * len(used)
+        self.slot_steps[index] = advanced_steps(slot_steps, used)
         self.steps[index] += 1
+        runs = step_runs(segments, used, self.slot_steps[index])
         beta1, beta2 = hyper["betas"]
         for start in range(0, self.numels[index], self.tile_numel):
             stop = min(self.numels[index], start + self.tile_numel)
+            parts = [(max(r.lo, start) - start, min(r.hi, stop) - start, r.step) for r in runs
+                     if r.lo < stop and r.hi > start]
+            if not parts:
+                continue
             tiles = {s: self._buffers[s][: stop - start] for s in STATES}
             for state, tile in tiles.items():
                 self.read_into(index, state, start, tile)
-            fused_adam_(
-                tiles["master"], grad[start:stop], tiles["exp_avg"], tiles["exp_avg_sq"],
-                lr=float(hyper["lr"]), beta1=beta1, beta2=beta2, eps=hyper["eps"],
-                weight_decay=hyper["weight_decay"], step=self.steps[index],
-                adamw=hyper.get("decoupled_weight_decay", True), grad_scale=grad_scale, clip_coef=clip_coef,
-            )
+            for lo, hi, step in parts:
+                fused_adam_(
+                    tiles["master"][lo:hi], grad[start + lo:start + hi], tiles["exp_avg"][lo:hi],
+                    tiles["exp_avg_sq"][lo:hi],
+                    lr=float(hyper["lr"]), beta1=beta1, beta2=beta2, eps=hyper["eps"],
+                    weight_decay=hyper["weight_decay"], step=step,
+                    adamw=hyper.get("decoupled_weight_decay", True), grad_scale=grad_scale, clip_coef=clip_coef,
+                )
             write_compute(tiles["master"], start)
             for state, tile in tiles.items():
                 self.write(index, state, start, tile)
 
     # ---------------------------------------------------------- undo copies (overlapped step)
-    def snapshot(self, index: int) -> tuple[int, list[str]]:
-        """Copies of group ``index``'s files and its step count, for :meth:`restore`."""
+    def snapshot(self, index: int) -> tuple[tuple[int, list[int] | None], list[str]]:
+        """Copies of group ``index``'s files and its step counts, for :meth:`restore`."""
         copies = []
         for state in STATES:
             copy = self.path(index, state) + ".undo"
             shutil.copyfile(self.path(index, state), copy)
             copies.append(copy)
-        return self.steps[index], copies
+        return (self.steps[index], self.slot_steps[index]), copies
 
-    def restore(self, index: int, saved: tuple[int, list[str]],
+    def restore(self, index: int, saved: tuple[tuple[int, list[int] | None], list[str]],
                 write_compute: Callable[[torch.Tensor, int], None]) -> None:
         """Group ``index`` as :meth:`snapshot` copied it; the compute shard rewritten from the master."""
         steps, copies = saved
@@ -214,13 +231,13 @@ class NvmeOptimizerStore:
                     tile = buffer[: min(self.tile_numel, self.numels[index] - start)]
                     src.readinto(byte_view(tile))
                     self.write(index, state, start, tile)
-        self.steps[index] = steps
+        self.steps[index], self.slot_steps[index] = steps
         for start, tile in zip(range(0, self.numels[index], self.tile_numel), self.iter_tiles(index, "master")):
             write_compute(tile, start)
         self.drop_snapshot(saved)
 
     @staticmethod
-    def drop_snapshot(saved: tuple[int, list[str]]) -> None:
+    def drop_snapshot(saved: tuple[tuple[int, list[int] | None], list[str]]) -> None:
         for copy in saved[1]:
             with contextlib.suppress(OSError):
                 os.remove(copy)
