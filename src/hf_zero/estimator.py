@@ -35,7 +35,8 @@ Working memory (transient, on the device, an upper estimate not checked against 
 B = ``reduce_bucket_size``, L_t the largest unit's trainable elements (the root unit, embeddings
 and heads, included) and b = min(Ψ_t, B + L_t) the largest gradient bucket:
 stage 1 holds the full gradients c Ψ_t until the accumulation boundary, plus their packed bucket
-c min(Ψ_t, B); stages 2-3 hold the open bucket's full gradients, the packed bucket in flight and
+c min(Ψ_t, B) (with 16-bit compute and gradient accumulation, also their fp32 sum, 4 Ψ_t, unless
+``data_types.grad_accum_dtype`` keeps the compute dtype); stages 2-3 hold the open bucket's full gradients, the packed bucket in flight and
 the unit being differentiated, c (2 b + L_t). Stage 3 also holds gathered parameters: with
 ``stage3_max_reuse_distance`` > 0 (DeepSpeed's default keeps every unit gathered from forward to
 backward) up to everything gathered, c min(Ψ_g, M + L) with M = ``stage3_max_live_parameters``;

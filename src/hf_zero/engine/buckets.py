@@ -89,7 +89,7 @@ def start_bucket(
     send = torch.empty(sum(g.layout.padded_numel for g in groups), dtype=reduce_dtype,
                        device=groups[0].grad_full.device)
     average = plan_average(reduce_dtype, comm, send.device)
-    pack_for_reduce_scatter([g.grad_full for g in groups], world, send, scale=1.0 / average.pre_divisor)
+    pack_for_reduce_scatter([g.grads_to_reduce() for g in groups], world, send, scale=1.0 / average.pre_divisor)
     for group in groups:
         group.release_grads()  # packed: the full gradients are no longer needed
     received = torch.empty(send.numel() // world, dtype=reduce_dtype, device=send.device)

@@ -76,6 +76,7 @@ class ZeroEngine(nn.Module):
             timers=self._timers,
             reduce_bucket_numel=int(config.zero.reduce_bucket_size),
             max_reuse_numel=int(config.zero.stage3_max_reuse_distance) if self.stage == 3 else 0,
+            grad_accum_dtype=config.grad_accum_dtype,
         )
         self.protocol.check_in = self.check_in
         if optimizer is not None and optimizer.overlapped is not None:

@@ -134,6 +134,9 @@ class FlatParamGroup:
         self._pending_gather: Handle | None = None
         self.master: torch.Tensor | None = None
         self.grad_full: torch.Tensor | None = None
+        # Stages 0-1 with 16-bit gradients: the micro-steps' sum in fp32 until the accumulation
+        # boundary's reduction (see fold_grads); allocated by the first fold, freed by the reduction.
+        self.grad_accum: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
         # [Note: parameters no rank used] in hf_zero.engine.param_usage: per parameter, whether
         # it got a gradient on this rank since the last optimizer step, and whether some rank
@@ -363,6 +366,29 @@ class FlatParamGroup:
         if pending is not None:
             self.finish_reduce(pending)
 
+    def fold_grads(self, accum_dtype: torch.dtype) -> None:
+        """End of a micro-step before the accumulation boundary (stages 0-1): add the 16-bit
+        full gradients into a fp32 buffer and zero them, so that a long accumulation sums in
+        fp32 as DeepSpeed's bf16 optimizer does (``data_types.grad_accum_dtype``; the next
+        micro-step's ``.grad`` then holds that micro-step only)."""
+        if self.grad_full is None or self.grad_full.dtype == accum_dtype:
+            return
+        # Every trainable group folds, with or without gradients: a bucket packs groups of one dtype.
+        if self.grad_accum is None:
+            self.grad_accum = torch.zeros(self.layout.padded_numel, dtype=accum_dtype, device=self.grad_full.device)
+        elif allocate_storage(self.grad_accum):
+            self.grad_accum.zero_()
+        if self.has_grads():
+            self.grad_accum.add_(self.grad_full)
+            self.grad_full.zero_()
+
+    def grads_to_reduce(self) -> torch.Tensor:
+        """The full gradients a reduction sends: the buffer autograd wrote, or with it the fp32
+        sum of the earlier micro-steps (see :meth:`fold_grads`)."""
+        if self.grad_accum is not None and storage_bytes(self.grad_accum) > 0:
+            return self.grad_accum.add_(self.grad_full)
+        return self.grad_full
+
     def start_reduce(self, reduce_dtype: torch.dtype, async_op: bool) -> PendingReduce | None:
         """Issue the gradient reduction; :meth:`finish_reduce` waits for it and accumulates.
         Until then the full gradient buffer is the collective's input and must stay alive. The
@@ -371,7 +397,8 @@ class FlatParamGroup:
             return None
         self._ensure_grad_shard()
         self.prepare_grads()  # allocates zeros if this group got no gradient this backward
-        send = self.grad_full if self.grad_full.dtype == reduce_dtype else self.grad_full.to(reduce_dtype)
+        source = self.grads_to_reduce()
+        send = source if source.dtype == reduce_dtype else source.to(reduce_dtype)
         average = plan_average(reduce_dtype, self.comm, send.device)
         if average.pre_divisor > 1:
             send.div_(average.pre_divisor)
@@ -394,6 +421,8 @@ class FlatParamGroup:
             self.accumulate_grad_shard(received, post_divisor(received.dtype, self.comm.world_size))
         if self.stage != 0:
             self.release_grads()
+        elif self.grad_accum is not None:  # reduced: the next accumulation window starts at zero
+            free_storage(self.grad_accum)
 
     def accumulate_grad_shard(self, reduced: torch.Tensor, divisor: int = 1) -> None:
         """Add this rank's reduced part of the gradients (any dtype, any device), divided by
@@ -415,6 +444,8 @@ class FlatParamGroup:
             self.offload.grad_copies.land(self)
 
     def release_grads(self) -> None:
+        if self.grad_accum is not None:
+            free_storage(self.grad_accum)
         if self.grad_full is None:
             return
         for param in self.params:

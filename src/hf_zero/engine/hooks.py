@@ -159,12 +159,14 @@ class UnitProtocol:
         timers: PhaseTimers | None = None,
         reduce_bucket_numel: int = 0,
         max_reuse_numel: int = 0,
+        grad_accum_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.units = units
         self.root = units[-1]
         self.stage = stage
         self.comm = comm
         self.reduce_dtype = reduce_dtype
+        self.grad_accum_dtype = grad_accum_dtype  # stages 0-1: what micro-steps sum in (fold_grads)
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
         self.max_reuse_numel = max_reuse_numel
@@ -441,6 +443,10 @@ class UnitProtocol:
         for unit in self.units:
             if unit.grad_state in (GradState.IDLE, GradState.ACCUMULATING):
                 unit.move_grads(GradState.READY)  # partly used, or not used on this rank: zeros
+        if self.stage <= 1 and not self.is_boundary():
+            for unit in self.units:  # 16-bit gradients summed in fp32 across micro-steps
+                for group in unit.trainable_groups:
+                    group.fold_grads(self.grad_accum_dtype)
         if self.stage == 0:
             if self.is_boundary():
                 for unit in self.backward_order + [self.root]:

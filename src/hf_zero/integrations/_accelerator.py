@@ -12,7 +12,9 @@ subclass. It behaves like Accelerate's DeepSpeed path, without the deepspeed pac
   The returned optimizer's ``step`` / ``zero_grad`` and an engine-owned scheduler's ``step`` are
   therefore no-ops, and ``clip_grad_norm_`` returns the global norm the engine computed. In a
   custom loop the script's own torch scheduler is not engine-owned: see [Note: who steps the
-  script's scheduler].
+  script's scheduler]. With ``"gradient_clipping": "auto"`` a custom loop's boundary step waits
+  for the script's ``clip_grad_norm_`` or ``optimizer.step()``: see [Note: "auto" clipping
+  follows the script].
 - ``prepare_model(model, evaluation_mode=True)`` under stage 3 builds an optimizer-less engine
   (ZeRO inference); stages 0-2 evaluate the plain, replicated model.
 - ``get_state_dict`` gathers the full weights on rank 0 (fp32 unless the config asks for 16-bit);
@@ -92,15 +94,18 @@ class HfZeroOptimizerWrapper(AcceleratedOptimizer):
     ``param_groups`` are the sharded optimizer's, so torch LR schedulers built on this object
     drive the real learning rate."""
 
-    def __init__(self, optimizer: ZeroOptimizer, engine: ZeroEngine) -> None:
+    def __init__(self, optimizer: ZeroOptimizer, engine: ZeroEngine, accelerator: HfZeroAccelerator) -> None:
         super().__init__(optimizer, device_placement=False, scaler=None)
         self.engine = engine
+        self.accelerator = accelerator
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         pass  # the engine zeroes its gradient shards after each step
 
     def step(self, closure: Any = None) -> None:
-        pass  # see the class docstring
+        # see the class docstring; a boundary step still waiting runs here, unclipped
+        # ([Note: "auto" clipping follows the script])
+        self.accelerator._finish_pending_step()
 
     @property
     def step_was_skipped(self) -> bool:
@@ -183,6 +188,9 @@ class HfZeroAccelerator(Accelerator):
         self._owns_accumulation = hf_zero_config is None
         self.hf_zero_config: HfZeroConfig | None = config
         self.hf_zero_engine: ZeroEngine | None = None
+        # [Note: "auto" clipping follows the script]
+        self._clip_follows_script = False
+        self._pending_step: ZeroEngine | None = None
         self._memory_report_dir = os.environ.get(MEMORY_REPORT_ENV) if config is not None else None
 
     # ------------------------------------------------------------------ prepare
@@ -200,10 +208,11 @@ class HfZeroAccelerator(Accelerator):
 
     def _auto_values(self, args: tuple[Any, ...], optimizer: Any, scheduler: Any) -> dict[str, Any]:
         """What fills the config's "auto" keys, as Accelerate's ``_prepare_deepspeed`` does: the
-        dataloaders' batch size, the accelerator's accumulation steps and precision, clipping 1.0,
-        and DummyOptim / DummyScheduler hyper-parameters."""
+        dataloaders' batch size, the accelerator's accumulation steps and precision, and
+        DummyOptim / DummyScheduler hyper-parameters. Clipping is the exception: "auto" is 0 (off)
+        until the script asks for it ([Note: "auto" clipping follows the script])."""
         values: dict[str, Any] = {
-            "gradient_accumulation_steps": self.gradient_accumulation_steps, "gradient_clipping": 1.0,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps, "gradient_clipping": 0.0,
             "fp16": self._requested_precision == "fp16", "bf16": self._requested_precision == "bf16",
         }
         sizes = [a.batch_size for a in args if isinstance(a, DataLoader) and a.batch_size is not None]
@@ -294,7 +303,7 @@ class HfZeroAccelerator(Accelerator):
         for existing in self._optimizers:
             if getattr(existing, "optimizer", None) is engine.optimizer:
                 return existing
-        wrapper = HfZeroOptimizerWrapper(engine.optimizer, engine)
+        wrapper = HfZeroOptimizerWrapper(engine.optimizer, engine, self)
         self._optimizers.append(wrapper)
         return wrapper
 
@@ -347,6 +356,7 @@ class HfZeroAccelerator(Accelerator):
         optimizer = result[optimizers[0]] if optimizers else None
         scheduler = result[schedulers[0]] if schedulers else None
         values = self._auto_values(tuple(result), optimizer, scheduler) if self._owns_accumulation else None
+        self._clip_follows_script = self._owns_accumulation and "gradient_clipping" in self.hf_zero_config.auto_keys()
         engine = self._build_engine(result[model_index], optimizer, scheduler, values=values)
         result[model_index] = engine
         wrapped_optimizer = self._wrap_optimizer(engine)
@@ -381,17 +391,57 @@ class HfZeroAccelerator(Accelerator):
         return self._build_engine(model)
 
     # ------------------------------------------------------------------ training step
+    # [Note: "auto" clipping follows the script]
+    # Under DDP a custom loop clips only where it calls ``accelerator.clip_grad_norm_(params,
+    # max_norm)``, at that max_norm; run_clm_no_trainer.py never calls it. Accelerate's DeepSpeed
+    # plugin turns "auto" into 1.0 and clips inside ``backward`` whatever the script does. On
+    # hf_zero's custom-loop routes (a plugin or the HF_ZERO_* environment) "auto" follows the
+    # script instead: it resolves to 0 (off), and at an accumulation boundary ``backward`` runs
+    # only the engine's backward; the engine's step (clip, optimizer step, engine-owned scheduler,
+    # zero grads) waits for the first of
+    #   - ``clip_grad_norm_(params, max_norm)``: the step clips at max_norm (that step only) and the
+    #     call returns the global norm before clipping, as torch's does;
+    #   - ``optimizer.step()``: the step does not clip.
+    # Either comes before the script's ``scheduler.step()``, so the order is DDP's. A boundary left
+    # without either is an error at the next ``backward``. A number in the config (and the
+    # Trainer, which fills "auto" from max_grad_norm) keeps the step inside ``backward``, clipped
+    # at that number, as under DeepSpeed.
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         engine = self.hf_zero_engine
         if engine is None or engine.optimizer is None:
             return super().backward(loss, **kwargs)
+        if self._pending_step is not None:
+            raise RuntimeError(
+                "accelerator.backward was called again before the last accumulation boundary's optimizer step: "
+                "with \"gradient_clipping\": \"auto\" the hf_zero engine steps at optimizer.step() (or at "
+                "accelerator.clip_grad_norm_); call optimizer.step() after accelerator.backward at each boundary, "
+                "as under DDP, or set gradient_clipping to a number in the ZeRO config")
         kwargs.pop("scale_wrt_gas", None)  # Accelerate's accumulation divides here, as for DDP
         loss = loss / self.gradient_accumulation_steps
         engine.set_gradient_accumulation_boundary(self.sync_gradients)
         engine.backward(loss, scale_wrt_gas=False, **kwargs)
-        engine.step()
+        if self.sync_gradients and self._clip_follows_script:
+            self._pending_step = engine  # stepped by clip_grad_norm_ or optimizer.step()
+            return
+        self._step_engine(engine)
+
+    def _step_engine(self, engine: ZeroEngine, clipping: float | None = None) -> None:
+        """``engine.step()``, clipping at ``clipping`` for this step when given."""
+        self._pending_step = None
+        optimizer = engine.optimizer
+        configured = optimizer.gradient_clipping
+        if clipping is not None:
+            optimizer.gradient_clipping = clipping
+        try:
+            engine.step()
+        finally:
+            optimizer.gradient_clipping = configured
         if self._memory_report_dir and self.sync_gradients:
             self._write_memory_report(engine)
+
+    def _finish_pending_step(self) -> None:
+        if self._pending_step is not None:
+            self._step_engine(self._pending_step)
 
     def _write_memory_report(self, engine: ZeroEngine) -> None:
         """This rank's memory after its first optimizer step (``HF_ZERO_MEMORY_REPORT``)."""
@@ -403,22 +453,43 @@ class HfZeroAccelerator(Accelerator):
         self._memory_report_dir = None  # once per accelerator
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor | None:
-        """The engine clips with the config's ``gradient_clipping`` during its step (inside
-        ``backward``, as DeepSpeed does); this returns the global norm (before clipping) it found.
-        A ``max_norm`` other than the one the engine used cannot be honoured any more: an error."""
+        """The global gradient norm (before clipping) of this boundary's step. With
+        ``"gradient_clipping": "auto"`` in a custom loop the step runs here, clipped at
+        ``max_norm`` ([Note: "auto" clipping follows the script]). Otherwise the engine has
+        clipped with the config's ``gradient_clipping`` during its step (inside ``backward``, as
+        DeepSpeed does), and a ``max_norm`` other than that one cannot be honoured: an error."""
         engine = self.hf_zero_engine
         if engine is None or engine.optimizer is None:
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
-        configured = float(engine.config.gradient_clipping or 0.0)
         wanted = float(max_norm) if math.isfinite(float(max_norm)) and float(max_norm) > 0 else 0.0
+        if self._pending_step is not None and float(norm_type) == 2.0:
+            self._step_clipped(engine, wanted)
+        elif not self._clip_follows_script:
+            self._check_configured_clipping(engine, max_norm, norm_type, wanted)
+        elif float(norm_type) != 2.0:
+            raise ValueError(f"clip_grad_norm_(norm_type={norm_type}): the hf_zero engine clips the global 2-norm only")
+        norm = engine.get_global_grad_norm()
+        return None if norm is None else torch.tensor(norm)
+
+    def _step_clipped(self, engine: ZeroEngine, max_norm: float) -> None:
+        if max_norm > 0 and getattr(engine.optimizer, "overlapped", None) is not None:
+            raise NotImplementedError(
+                f"clip_grad_norm_(max_norm={max_norm:g}) with \"gradient_clipping\": \"auto\" and the overlapped "
+                "offloaded optimizer step: that step starts during the backward, before a clipping factor is "
+                f"known. Set gradient_clipping to {max_norm:g} in the ZeRO config (the offloaded step then waits "
+                "for the global norm)")
+        self._step_engine(engine, clipping=max_norm)
+
+    @staticmethod
+    def _check_configured_clipping(engine: ZeroEngine, max_norm: float, norm_type: float, wanted: float) -> None:
+        configured = float(engine.config.gradient_clipping or 0.0)
         if abs(wanted - configured) > 1e-12 or float(norm_type) != 2.0:
             raise ValueError(
                 f"clip_grad_norm_(max_norm={max_norm}, norm_type={norm_type}): the hf_zero engine has already "
                 f"stepped inside accelerator.backward with the config's gradient_clipping={configured:g} (2-norm; "
                 "0 = off), as DeepSpeed does, and cannot clip this step at another value. Set gradient_clipping "
-                f"to {wanted:g} in the ZeRO config (or HF_ZERO_GRADIENT_CLIPPING / HfZeroPlugin(gradient_clipping=...))")
-        norm = engine.get_global_grad_norm()
-        return None if norm is None else torch.tensor(norm)
+                f"to {wanted:g} in the ZeRO config (or HF_ZERO_GRADIENT_CLIPPING / HfZeroPlugin(gradient_clipping=...)), "
+                "or to \"auto\" to clip where the script asks")
 
     # ------------------------------------------------------------------ models and weights
     def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True,
@@ -438,6 +509,7 @@ class HfZeroAccelerator(Accelerator):
         # The engine stays attached to its model (the Trainer frees memory at the start of
         # train()); only the accelerator's references go.
         self.hf_zero_engine = None
+        self._pending_step = None
         return super().free_memory(*objects)
 
     def save_model(self, model: nn.Module, save_directory: str | os.PathLike[str], max_shard_size: int | str = "10GB",

@@ -15,8 +15,11 @@ group; frozen parameters have no master and are saved from their compute copy.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import logging
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -44,10 +47,58 @@ def engine_of(model: nn.Module | None) -> ZeroEngine | None:
 def attach_engine(engine: ZeroEngine) -> None:
     """Record the engine on its module, and under stage 3 set the flag transformers reads to pass
     ``synced_gpus=True`` to ``generate`` (research/hf_integration.md section 3): a rank that has
-    finished generating keeps running forwards, so the other ranks' unit gathers still complete."""
+    finished generating keeps running forwards, so the other ranks' unit gathers still complete.
+    Under stage 3 the module's ``save_pretrained`` also gathers its weights first: see
+    [Note: save_pretrained on a stage-3 module]."""
     engine.module.__dict__[ENGINE_ATTR] = engine
     if engine.stage == 3:
         engine.module._is_fsdp_managed_module = True
+        _wrap_save_pretrained(engine)
+
+
+# [Note: save_pretrained on a stage-3 module]
+# Scripts save the model they unwrapped: ``accelerator.unwrap_model(model).save_pretrained(dir,
+# is_main_process=accelerator.is_main_process, save_function=accelerator.save)`` on every rank
+# (transformers' run_*_no_trainer.py examples). Under stage 3 that module's parameters are
+# freed shards, so transformers' own ``save_pretrained`` would read empty storage (and fail in
+# its shared-tensor check on a tied embedding). The engine's module therefore carries an
+# instance-level ``save_pretrained`` that, when the caller passes no ``state_dict``, gathers the
+# full weights unit by unit (gather_full_state_dict: collective, so every rank must call it, as
+# these scripts do) and lets rank 0, which holds them, write the folder through the original
+# method with its other arguments unchanged; the other ranks write nothing. A caller's own
+# ``state_dict`` (``accelerator.get_state_dict(model)``, the Trainer's save) is passed through.
+_SAVE_WRAPPER = "_hf_zero_gathering_save"  # set on the wrapper, so release_engine removes only ours
+
+
+def _wrap_save_pretrained(engine: ZeroEngine) -> None:
+    module = engine.module
+    original = getattr(module, "save_pretrained", None)
+    if original is None or getattr(original, _SAVE_WRAPPER, False):
+        return
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def save_pretrained(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        extra = bound.arguments.get("kwargs", {})  # PEFT's save_pretrained takes state_dict in **kwargs
+        if bound.arguments.get("state_dict", extra.get("state_dict")) is not None:
+            return original(*args, **kwargs)
+        state_dict = gather_full_state_dict(engine)  # collective: see the Note
+        if engine.rank != 0:
+            return None
+        if "state_dict" in signature.parameters:
+            bound.arguments["state_dict"] = state_dict
+        else:
+            bound.arguments.setdefault("kwargs", {})["state_dict"] = state_dict
+        return original(*bound.args, **bound.kwargs)
+
+    setattr(save_pretrained, _SAVE_WRAPPER, True)
+    module.__dict__["save_pretrained"] = save_pretrained
+
+
+def _unwrap_save_pretrained(module: nn.Module) -> None:
+    if getattr(module.__dict__.get("save_pretrained"), _SAVE_WRAPPER, False):
+        module.__dict__.pop("save_pretrained")
 
 
 def save_dtype(engine: ZeroEngine) -> torch.dtype:
@@ -179,6 +230,7 @@ def release_engine(engine: ZeroEngine) -> nn.Module:
             param.data = param.data.clone()
             param.grad = None
     engine.protocol.remove()
+    _unwrap_save_pretrained(module)
     module.__dict__.pop(ENGINE_ATTR, None)
     module.__dict__.pop("_is_fsdp_managed_module", None)
     return module

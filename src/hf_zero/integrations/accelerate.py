@@ -112,7 +112,8 @@ class HfZeroPlugin:
     gradient_accumulation_steps: int | str | None = None
     """gradient_accumulation_steps or "auto" (the accelerator's value). Env: HF_ZERO_GRADIENT_ACCUMULATION_STEPS."""
     gradient_clipping: float | str | None = None
-    """gradient_clipping or "auto" (1.0, Accelerate's DeepSpeed default). Env: HF_ZERO_GRADIENT_CLIPPING."""
+    """gradient_clipping or "auto" (clip where the script calls ``clip_grad_norm_``, at its
+    ``max_norm``, as under DDP; Accelerate's DeepSpeed plugin uses 1.0). Env: HF_ZERO_GRADIENT_CLIPPING."""
     offload_optimizer_device: str | None = None
     """zero_optimization.offload_optimizer.device: "none", "cpu" or "nvme". Env: HF_ZERO_OFFLOAD_OPTIMIZER_DEVICE."""
     offload_optimizer_nvme_path: str | None = None

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import json
 import logging
 import os
@@ -223,9 +224,11 @@ def lazy_from_pretrained(cls: Any, path: str, plan: LazyPlan, **kwargs: Any) -> 
     source = SafetensorsSource(plan.files, getattr(cls, "base_model_prefix", ""))
     dtype = _resolve_dtype(kwargs.get("dtype", kwargs.get("torch_dtype")), config, source)
     config.dtype = dtype
+    config.name_or_path = path  # as a plain load: TRL and the Trainer read it back (tokenizer, model card)
     with init_empty_weights(include_buffers=False), _default_dtype(dtype):
         model = cls(config, **model_kwargs)
-    model.tie_weights()  # from_pretrained ties after loading; the meta model must share them too
+    _keep_in_fp32(model, dtype)
+    _tie_as_loaded(model, source)  # from_pretrained ties after loading; the meta model must share them too
     missing = [name for name, p in model.named_parameters() if p.is_meta and not source.has(name)]
     if missing:
         # A head on a base checkpoint: a full load initialises the new weights.
@@ -238,7 +241,7 @@ def lazy_from_pretrained(cls: Any, path: str, plan: LazyPlan, **kwargs: Any) -> 
         return (f"{len(mismatched)} weight(s) of the checkpoint have another shape than the model's "
                 f"({name}: {stored} in the files, {expected} in the model), which a full load reports")
     setattr(model, SOURCE_ATTRIBUTE, source)
-    _load_generation_config(model, path, plan, kwargs.get("generation_config"))
+    _finish_as_loaded(model, path, plan, kwargs)
     model.eval()
     arm_materialisation(model)
     logger.info("hf_zero: %s from %s on the meta device; hf_zero.initialize reads each rank's shards",
@@ -297,6 +300,82 @@ def _transformers_init(model: Any) -> Any:
         owner._init_weights(module)
 
     return init_module
+
+
+def _keep_in_fp32(model: Any, dtype: torch.dtype) -> None:
+    """Give the parameters a plain load keeps in fp32 (``_keep_in_fp32_modules`` under fp16,
+    ``_keep_in_fp32_modules_strict`` under fp16 and bf16) their fp32 meta tensors: their shards
+    are then read in fp32, and a model no engine takes materialises them in fp32."""
+    plan = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
+    if not plan:
+        return
+    # transformers matches the patterns as one alternation searched in each parameter name
+    patterns = [(re.compile(glob.replace("*", ".*")), kept) for glob, kept in plan.items()]
+    for name, param in model.named_parameters():
+        kept = next((kept for pattern, kept in patterns if pattern.search(name)), None)
+        if kept is not None and param.dtype != kept:
+            torch.utils.swap_tensors(param, torch.nn.Parameter(torch.empty_like(param, dtype=kept),
+                                                               requires_grad=param.requires_grad))
+
+
+def _tie_as_loaded(model: Any, source: SafetensorsSource) -> None:
+    """Tie the weights as ``from_pretrained`` does after reading the checkpoint: a pair whose two
+    names the files both hold is tied only when the stored values are equal; otherwise
+    transformers warns, leaves them apart and drops the pair from ``all_tied_weights_keys``."""
+    tied = getattr(model, "all_tied_weights_keys", None)
+    if tied is None or "missing_keys" not in inspect.signature(model.tie_weights).parameters:
+        model.tie_weights()  # transformers 4: ties whatever the config says
+        return
+    missing = {name for name, _ in model.named_parameters(remove_duplicate=False) if not source.has(name)}
+    for target, tied_to in list(tied.items()):
+        if target in missing or tied_to in missing:
+            continue
+        if _stored_equal(source, target, tied_to, model.get_parameter(target)):
+            missing.add(target)  # tie_weights ties a pair of meta tensors only when one side is absent
+        else:
+            logger.warning("hf_zero: %s and %s are both in the checkpoint with different values, so they are "
+                           "not tied (as transformers does)", tied_to, target)
+            tied.pop(target)
+    model.tie_weights(missing_keys=missing, recompute_mapping=False)
+
+
+def _stored_equal(source: SafetensorsSource, first: str, second: str, like: torch.Tensor,
+                  chunk_numel: int = 1 << 22) -> bool:
+    """Whether two stored tensors are equal in the parameter's dtype, read a chunk at a time."""
+    shape = source.stored_shape(first)
+    if shape != source.stored_shape(second) or shape != tuple(like.shape):
+        return False
+    numel = like.numel()
+    for start in range(0, numel, chunk_numel):
+        stop = min(numel, start + chunk_numel)
+        a, b = (torch.empty(stop - start, dtype=like.dtype) for _ in range(2))
+        source.fill_(first, shape, start, stop, a)
+        source.fill_(second, shape, start, stop, b)
+        if not torch.equal(a, b):
+            return False
+    return True
+
+
+def _finish_as_loaded(model: Any, path: str, plan: LazyPlan, kwargs: dict[str, Any]) -> None:
+    """What ``from_pretrained`` sets after reading the weights: the generation config (and a
+    custom ``generate``) through the model's own ``adjust_generation_fn``, the kernels flag, and
+    the weight conversions it applied: none, since the sharded path reads each parameter under
+    its own name (a checkpoint needing a conversion lacks the model's names and loads whole)."""
+    if hasattr(model, "set_use_kernels"):
+        model.set_use_kernels(False)
+    if hasattr(model, "get_expanded_tied_weights_keys"):  # transformers 5: save_pretrained reverts these
+        model._weight_conversions = []
+    if not getattr(model, "can_generate", lambda: False)():
+        return
+    if not hasattr(model, "adjust_generation_fn"):
+        _load_generation_config(model, path, plan, kwargs.get("generation_config"))
+        return
+    download = {name: plan.download_kwargs.get(name) for name in
+                ("cache_dir", "force_download", "proxies", "local_files_only", "token", "revision")}
+    download["subfolder"] = plan.download_kwargs.get("subfolder", "")
+    model.adjust_generation_fn(kwargs.get("generation_config"), kwargs.get("_from_auto", False),
+                               kwargs.get("_from_pipeline"), path, trust_remote_code=kwargs.get("trust_remote_code"),
+                               **download, **plan.model_kwargs)
 
 
 def _load_generation_config(model: Any, path: str, plan: LazyPlan, given: Any) -> None:
