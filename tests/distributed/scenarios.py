@@ -126,8 +126,8 @@ def train_engine(sc: dict[str, Any]) -> dict[str, Any]:
         "memory": engine.memory_report(),
         "comm_per_step": comm_per_step,
         "overlap_per_step": overlap_per_step if overlapped is not None else None,
-        "layout": [{k: g[k] for k in ("unit", "trainable", "persistent", "numel", "padded_numel", "world_size")}
-                   for g in engine.layout()],
+        "layout": [{**{k: g[k] for k in ("unit", "trainable", "persistent", "numel", "padded_numel", "world_size")},
+                    "params": len(g["slots"])} for g in engine.layout()],
         "buffer_bytes": sum(b.numel() * b.element_size() for b in engine.module.buffers()),
         "global_steps": engine.global_steps,
         "grad_norm": engine.get_global_grad_norm(),

@@ -149,5 +149,6 @@ def test_profiler_trace_names_each_collective_and_unit_group(observed: list, whi
             for label in run["trainable_labels"]:
                 assert _named(names, "all_gather", label, ".step"), (label, sorted(names))
         assert any(name.startswith("hf_zero::all_reduce::") for name in names)  # the global grad norm
+        assert "hf_zero::phase::optimizer step" in names  # [Note: phases in step]
         kinds = {name.split("::")[1] for name in names}
-        assert kinds <= {"all_gather", "reduce_scatter", "all_reduce"}, kinds
+        assert kinds <= {"all_gather", "reduce_scatter", "all_reduce", "phase"}, kinds

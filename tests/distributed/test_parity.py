@@ -190,8 +190,8 @@ def test_comm_volume_per_step(runs, sc):
     for step, step_stats in ((s, st) for r in results for s, st in enumerate(r["comm_per_step"])):
         expected = _expected_comm(layout, sc["stage"], sc["gas"], step, reuse, embeddings)
         # One all-reduce per step carries the global grad norm, the non-finite flag and one
-        # "some rank used this group" flag per trainable group ([Note: groups no rank used]).
-        flags = 2 + sum(1 for g in layout if g["trainable"])
+        # "some rank used it" flag per trainable parameter ([Note: parameters no rank used]).
+        flags = 2 + sum(g["params"] for g in layout if g["trainable"])
         norm = {"calls": 1, "numel": flags, "bytes": 4 * flags}
         moved = {k: v["numel"] for k, v in step_stats.items() if k != "all_reduce"}
         assert moved == {k: v for k, v in expected.items() if k != "all_reduce"}

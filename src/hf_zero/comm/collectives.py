@@ -291,6 +291,25 @@ class Communicator:
                 dist.all_reduce(tensor, op=op, group=self.grad_group if grads else self.group)
         return tensor
 
+    def all_reduce_into(self, tensor: torch.Tensor, label: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+                        async_op: bool = False) -> Handle:
+        """In place, a gradient reduction on the gradient group ([Note: two process groups]),
+        on the reduce-scatter stream like the other gradient reductions ([Note: streams and
+        events] in hf_zero.execution): stage 0's buckets, launched during the backward."""
+        self._check(label, tensor)
+        if self.active:
+            self._count("all_reduce", label, tensor)
+
+        def issue(out: torch.Tensor, inp: torch.Tensor, async_: bool) -> object:
+            if out.data_ptr() != inp.data_ptr():  # a private result under late completion
+                out.copy_(inp)
+            if not self.active:
+                return None
+            with record_function(f"hf_zero::all_reduce::{label}"):
+                return dist.all_reduce(out, op=op, group=self.grad_group, async_op=async_)
+
+        return self._run("reduce_scatter", "all-reduce", label, tensor, tensor, issue, async_op)
+
     def broadcast_(self, tensor: torch.Tensor, src: int, label: str) -> torch.Tensor:
         self._check(label, tensor)
         if self.active:

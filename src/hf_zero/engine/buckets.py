@@ -32,7 +32,7 @@ The elements moved are the same as without buckets (2Ψ / 3Ψ); the number of co
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -89,12 +89,31 @@ def start_bucket(
     send = torch.empty(sum(g.layout.padded_numel for g in groups), dtype=reduce_dtype,
                        device=groups[0].grad_full.device)
     average = plan_average(reduce_dtype, comm, send.device)
+    if groups[0].stage == 0:
+        return _start_all_reduce(groups, comm, send, average, async_op)
     pack_for_reduce_scatter([g.grads_to_reduce() for g in groups], world, send, scale=1.0 / average.pre_divisor)
     for group in groups:
         group.release_grads()  # packed: the full gradients are no longer needed
     received = torch.empty(send.numel() // world, dtype=reduce_dtype, device=send.device)
     handle = comm.reduce_scatter_into(received, send, label=_bucket_label(groups), async_op=async_op, op=average.op)
     return PendingBucket(groups, handle=handle, received=received, send=send, divisor=average.post_divisor)
+
+
+def _start_all_reduce(groups: list[FlatParamGroup], comm: Communicator, send: torch.Tensor, average: Any,
+                      async_op: bool) -> PendingBucket:
+    """Stage 0: DDP's bucket. The groups' gradients back to back, divided as [Note: averaging
+    gradients over ranks] says (a division, as DDP's reducer divides, so that the fp32 result is
+    DDP's bit for bit at world size 2), all-reduced in place; each group reads its part back."""
+    offset = 0
+    for group in groups:
+        numel = group.layout.padded_numel
+        send[offset:offset + numel].copy_(group.grads_to_reduce())
+        group.drop_grad_accum()  # packed; the 16-bit .grad views stay (stage 0 keeps them)
+        offset += numel
+    if average.pre_divisor > 1:
+        send.div_(average.pre_divisor)
+    handle = comm.all_reduce_into(send, label=_bucket_label(groups), op=average.op, async_op=async_op)
+    return PendingBucket(groups, handle=handle, received=send, send=send, divisor=average.post_divisor)
 
 
 def finish_bucket(pending: PendingBucket) -> None:
@@ -109,7 +128,7 @@ def finish_bucket(pending: PendingBucket) -> None:
     for group in pending.groups:
         numel = group.layout.shard_numel
         part = pending.received[offset : offset + numel]
-        group.accumulate_grad_shard(part, pending.divisor)
+        group.accept_reduced(part, pending.divisor)
         offset += numel
 
 

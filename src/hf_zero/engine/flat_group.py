@@ -359,13 +359,6 @@ class FlatParamGroup:
     def has_grads(self) -> bool:
         return self.grad_full is not None and storage_bytes(self.grad_full) > 0
 
-    def reduce_grads(self, reduce_dtype: torch.dtype) -> None:
-        """Average the full gradients over ranks and add this rank's part into the fp32
-        gradient shard. Stages 1-3 then free the full gradient buffer."""
-        pending = self.start_reduce(reduce_dtype, async_op=False)
-        if pending is not None:
-            self.finish_reduce(pending)
-
     def fold_grads(self, accum_dtype: torch.dtype) -> None:
         """End of a micro-step before the accumulation boundary (stages 0-1): add the 16-bit
         full gradients into a fp32 buffer and zero them, so that a long accumulation sums in
@@ -403,8 +396,8 @@ class FlatParamGroup:
         if average.pre_divisor > 1:
             send.div_(average.pre_divisor)
         if self.stage == 0:
-            self.comm.all_reduce_(send, label=self.label, op=average.op, grads=True)
-            return PendingReduce(None, send, send)
+            handle = self.comm.all_reduce_into(send, label=self.label, op=average.op, async_op=async_op)
+            return PendingReduce(handle, send, send)
         received = torch.empty(self.layout.shard_numel, dtype=reduce_dtype, device=send.device)
         handle = self.comm.reduce_scatter_into(received, send, label=self.label, async_op=async_op, op=average.op)
         return PendingReduce(handle, received, send)
@@ -414,15 +407,20 @@ class FlatParamGroup:
             pending.handle.wait()
         received = pending.received
         if self.grad_shard is not None and self.grad_shard.data_ptr() != received.data_ptr():
-            if self.grad_shard.data_ptr() == self.grad_full.data_ptr():
-                # Stage 0, fp32 compute, a 16-bit reduction: the fp32 gradient buffer is the
-                # gradient shard and still holds this rank's own gradients; the average replaces them.
-                self.grad_shard.zero_()
-            self.accumulate_grad_shard(received, post_divisor(received.dtype, self.comm.world_size))
+            self.accept_reduced(received, post_divisor(received.dtype, self.comm.world_size))
         if self.stage != 0:
             self.release_grads()
-        elif self.grad_accum is not None:  # reduced: the next accumulation window starts at zero
-            free_storage(self.grad_accum)
+        else:
+            self.drop_grad_accum()
+
+    def accept_reduced(self, reduced: torch.Tensor, divisor: int = 1) -> None:
+        """This rank's part of a finished reduction into the fp32 gradient shard."""
+        if self.grad_full is not None and self.grad_shard is not None and self.grad_shard.data_ptr() == self.grad_full.data_ptr():
+            # Stage 0, fp32 compute, reduced elsewhere (a bucket, a 16-bit reduction): the fp32
+            # gradient buffer is the gradient shard and still holds this rank's own gradients;
+            # the average replaces them.
+            self.grad_shard.zero_()
+        self.accumulate_grad_shard(reduced, divisor)
 
     def accumulate_grad_shard(self, reduced: torch.Tensor, divisor: int = 1) -> None:
         """Add this rank's reduced part of the gradients (any dtype, any device), divided by
@@ -443,9 +441,13 @@ class FlatParamGroup:
         if self.offload.grad_copies is not None:
             self.offload.grad_copies.land(self)
 
-    def release_grads(self) -> None:
+    def drop_grad_accum(self) -> None:
+        """The fp32 sum of the micro-steps went into a reduction: the next window starts at zero."""
         if self.grad_accum is not None:
             free_storage(self.grad_accum)
+
+    def release_grads(self) -> None:
+        self.drop_grad_accum()
         if self.grad_full is None:
             return
         for param in self.params:

@@ -21,7 +21,7 @@ pair one unit's collective with another's:
 - Gradients go out in buckets cut once from the backward order ([Note: buckets in a fixed
   order] in buckets.py), on a process group of their own ([Note: two process groups] in
   hf_zero.comm), so a reduction that one rank issues early cannot pair with another rank's
-  gather. Under stage 3 at most ``STAGE3_BUCKETS_IN_FLIGHT`` buckets are in flight: finished
+  gather. Under stage 3 at most ``BUCKETS_IN_FLIGHT`` buckets are in flight: finished
   ones are collected as later ones go out, and launching one more first waits for the oldest
   (each holds its units' full gradients, so without the bound a whole model's gradients were
   alive at the end of the backward: +512 MB per rank on a 134M Llama, where the gloo reductions
@@ -73,13 +73,15 @@ two communicators' kernels fitting on the GPU side by side.
   3 gathers the unit (a no-op when it was kept) and prefetches along the backward order; every
   stage binds ``.grad`` views. The unit's gradients are ACCUMULATING.
 - post_backward (when the last trainable parameter's gradient has been accumulated): stage 3
-  frees the parameters; the unit's gradients are READY, and stages 2-3 reduce-scatter every
-  bucket that is now complete in the fixed order. With ``overlap_comm`` at stage 2 the
-  reduce-scatter is asynchronous and overlaps the backward of the units before it, at most one
-  bucket in flight, so memory stays bounded by two buckets.
+  frees the parameters; the unit's gradients are READY, and stages 2-3 (stages 0-1 in the
+  accumulation boundary's backward) reduce every bucket that is now complete in the fixed
+  order: stage 0 all-reduces, the others reduce-scatter. Stages 0, 1 and 3 keep up to
+  ``BUCKETS_IN_FLIGHT`` reductions in flight, overlapping the backward of the units before
+  them; stage 2 does with ``overlap_comm``, one bucket, so memory stays bounded by two buckets.
 - finish_backward (queued on the autograd engine at the first pre_backward, so it runs once
-  the whole backward is done): catches up the rest of the backward order, reduces what is left
-  (stages 0-1 at the accumulation boundary), frees what is still gathered and resets the states.
+  the whole backward is done): catches up the rest of the backward order, reduces what is left,
+  folds stages 0-1's 16-bit gradients into their fp32 sum before the boundary, frees what is
+  still gathered and resets the states.
 - At the accumulation boundary, each group whose fp32 gradient shard is final and that this rank
   used is announced to ``on_grads_final`` (the offloaded optimizer starts its CPU step there,
   overlapping the backward still running).
@@ -138,8 +140,9 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(value)
 
 
-# Stage-3 gradient buckets whose reduction may be in flight at once ([Note: the shared schedule]).
-STAGE3_BUCKETS_IN_FLIGHT = 2
+# Gradient buckets whose reduction may be in flight at once (stages 0, 1 and 3; [Note: the
+# shared schedule]).
+BUCKETS_IN_FLIGHT = 2
 
 
 class UnitProtocol:
@@ -391,18 +394,20 @@ class UnitProtocol:
 
     def _grads_ready(self, unit: ZeroUnit) -> None:
         unit.move_grads(GradState.READY)
-        if self.stage >= 2:
+        if self.stage >= 2 or self.is_boundary():  # stages 0-1 reduce at the boundary only
             for bucket in self.reductions.ready_buckets():
                 self._timed("reduce", self._launch, bucket)
 
     def _launch(self, groups: list[FlatParamGroup]) -> None:
-        """Reduce-scatter one bucket. Stage 3 keeps at most ``STAGE3_BUCKETS_IN_FLIGHT`` in
-        flight ([Note: the shared schedule]); stage 2 with overlap_comm keeps one; otherwise it
-        is done before this returns."""
-        async_op = self.stage == 3 or self.overlap_comm
-        if self.stage == 3:
+        """Reduce one bucket (stage 0: all-reduce; else reduce-scatter). Stages 0, 1 and 3 keep
+        at most ``BUCKETS_IN_FLIGHT`` in flight ([Note: the shared schedule]; stages 0-1
+        only in the boundary's backward, as DDP's reducer overlaps its buckets with the rest of
+        the backward); stage 2 with overlap_comm keeps one; otherwise it is done before this
+        returns."""
+        async_op = self.stage != 2 or self.overlap_comm
+        if self.stage != 2:
             self._collect_finished()
-            while len(self.in_flight) >= STAGE3_BUCKETS_IN_FLIGHT:
+            while len(self.in_flight) >= BUCKETS_IN_FLIGHT:
                 self._finish(self.in_flight.pop(0))
         else:
             self._finish_in_flight()
@@ -447,12 +452,7 @@ class UnitProtocol:
             for unit in self.units:  # 16-bit gradients summed in fp32 across micro-steps
                 for group in unit.trainable_groups:
                     group.fold_grads(self.grad_accum_dtype)
-        if self.stage == 0:
-            if self.is_boundary():
-                for unit in self.backward_order + [self.root]:
-                    if unit.trainable_params:
-                        self._timed("reduce", unit.reduce_grads, self.reduce_dtype)
-        elif self.stage >= 2 or self.is_boundary():
+        if self.stage >= 2 or self.is_boundary():
             for bucket in self.reductions.remaining():
                 self._timed("reduce", self._launch, bucket)
             self._timed("reduce", self._finish_in_flight)

@@ -174,12 +174,6 @@ class ZeroUnit:
         for group in self.groups:
             group.prepare_grads()
 
-    def reduce_grads(self, reduce_dtype: torch.dtype) -> None:
-        """Reduce every group now, one collective each (stage 0's all-reduce; the other stages
-        reduce through buckets, see hf_zero.engine.buckets)."""
-        for group in self.groups:
-            group.reduce_grads(reduce_dtype)
-
     def reset_backward_state(self) -> None:
         self.grad_state = GradState.IDLE
         self.pending_grads = len(self.trainable_params)
