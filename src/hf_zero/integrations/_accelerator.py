@@ -35,6 +35,7 @@ import json
 import logging
 import math
 import os
+import re
 from typing import Any, Iterator
 
 import torch
@@ -570,13 +571,25 @@ class HfZeroAccelerator(Accelerator):
         self.wait_for_everyone()
         return location
 
+    def _latest_automatic_checkpoint(self) -> str:
+        """``load_state(None)``: the newest ``checkpoint_<n>`` of Accelerate's automatic naming
+        (``ProjectConfiguration(automatic_checkpoint_naming=True)``), as Accelerate picks it."""
+        if not self.project_configuration.automatic_checkpoint_naming:
+            raise ValueError("load_state(None): no input_dir given and automatic checkpoint naming is disabled; pass "
+                             "the directory save_state returned, or use ProjectConfiguration(automatic_checkpoint_naming=True)")
+        root = os.path.join(self.project_dir, "checkpoints")
+        numbered = [(int(m.group(1)), name) for name in (os.listdir(root) if os.path.isdir(root) else [])
+                    if (m := re.fullmatch(r"checkpoint_(\d+)", name))]
+        if not numbered:
+            raise FileNotFoundError(f"load_state(None): {root} holds no checkpoint_<n> folder written by save_state()")
+        return os.path.join(root, max(numbered)[1])
+
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any) -> None:
         engines = self._hidden_engine_objects()[0]
         if self.hf_zero_config is None or not engines:
             return super().load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
         if input_dir is None:
-            raise NotImplementedError(
-                "HfZeroAccelerator.load_state needs the checkpoint folder: pass the directory save_state returned")
+            input_dir = self._latest_automatic_checkpoint()
         if not os.path.isdir(os.path.join(input_dir, ENGINE_CHECKPOINT_TAG)):
             raise FileNotFoundError(
                 f"{input_dir} holds no hf_zero engine checkpoint ({ENGINE_CHECKPOINT_TAG}/): was it written by "
