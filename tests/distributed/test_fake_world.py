@@ -74,8 +74,8 @@ def play_rank(rank: int, dtype: str) -> dict[str, Any]:
                 "global_steps": engine.global_steps, "losses": losses, "step_s": step_s,
                 "model_numel": model_numel, "slots": slots, "memory_at_init": at_init,
                 "memory": engine.memory_report(), "comm": comm,
-                "layout": [{k: g[k] for k in ("trainable", "persistent", "numel", "padded_numel", "world_size")}
-                           for g in engine.layout()]}
+                "layout": [{**{k: g[k] for k in ("trainable", "persistent", "numel", "padded_numel", "world_size")},
+                            "params": len(g["slots"])} for g in engine.layout()]}
     finally:
         dist.destroy_process_group()
 
@@ -144,7 +144,7 @@ def test_a_step_issues_the_collectives_of_a_world_of_8(played) -> None:
     _, results = played
     for name, result in results.items():
         padded = sum(g["padded_numel"] for g in result["layout"])
-        flags = 2 + sum(g["trainable"] for g in result["layout"])  # norm, non-finite, one per group
+        flags = 2 + sum(g["params"] for g in result["layout"] if g["trainable"])  # norm, non-finite, one per parameter
         for step_stats in result["comm"]:
             # Stage 3 with the reuse distance: every unit gathered once, every gradient
             # reduce-scattered once (2Ψ), one all-reduce of the step's flags and norm.
