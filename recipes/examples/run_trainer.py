@@ -11,6 +11,13 @@ ZeRO engine through the runner, which adds ``--zero_config``:
         --zero_config recipes/examples/zero3.json --model_name_or_path MODEL \\
         --train_file train.jsonl --output_dir out --do_train --do_eval
 
+On a machine without GPUs add ``--use_cpu``, so that the processes join over gloo (without it
+the Trainer stops and asks for it), e.g. a 2-step smoke test on random data:
+
+    torchrun --nproc_per_node 2 -m hf_zero.run recipes/examples/run_trainer.py \\
+        --zero_config recipes/examples/zero3.json --model_name_or_path MODEL --use_cpu \\
+        --synthetic_train_samples 16 --max_steps 2 --output_dir out --do_train
+
 Data: JSON lines with ``input_ids`` (a list of token ids) and, for sequence classification,
 ``label``. Without files, ``--synthetic_train_samples N`` / ``--synthetic_eval_samples N`` make
 random token sequences from the model's vocabulary (handy for smoke tests).

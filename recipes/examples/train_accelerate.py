@@ -5,13 +5,20 @@ The loop is ordinary Accelerate code; the only hf_zero line is the accelerator::
 
     accelerator = HfZeroAccelerator(gradient_accumulation_steps=2)   # config from HF_ZERO_CONFIG
 
-Run it (on a machine without GPUs add ``--cpu`` so the processes join over gloo):
+Run it:
 
     HF_ZERO_CONFIG=recipes/zero3.json accelerate launch --config_file recipes/accelerate/multi_gpu_2proc.yaml \\
         recipes/examples/train_accelerate.py --model_name_or_path MODEL --output_dir out
 
     hf-zero launch --config_file recipes/accelerate/zero3_2proc.yaml recipes/examples/train_accelerate.py \\
         --model_name_or_path MODEL --output_dir out
+
+On a machine without GPUs put ``ACCELERATE_USE_CPU=true`` in front of either (without it
+Accelerate stops and asks for it), so that the processes join over gloo:
+
+    ACCELERATE_USE_CPU=true HF_ZERO_CONFIG=recipes/zero3.json accelerate launch \\
+        --config_file recipes/accelerate/multi_gpu_2proc.yaml recipes/examples/train_accelerate.py \\
+        --model_name_or_path MODEL --output_dir out --synthetic_samples 16
 
 ``--zero_config z.json`` / ``--zero_stage N`` set the plugin explicitly instead; with no config at
 all the same script runs Accelerate's plain DDP. Data: JSON lines with ``input_ids``

@@ -1,12 +1,16 @@
 """hf_zero: a ZeRO engine native to Hugging Face Transformers and Accelerate.
 
 >>> engine, optimizer, dataloader, lr_scheduler = hf_zero.initialize(model=model, config="zero3.json")
+
+``import hf_zero`` imports neither torch nor transformers: ``initialize`` and ``ZeroEngine`` are
+loaded on first use, so ``hf-zero --version`` and ``hf-zero check-config`` answer at once
+([Note: the command imports torch late] in hf_zero.cli).
 """
+
+from typing import Any
 
 from hf_zero.config import HfZeroConfig, HfZeroConfigError
 from hf_zero.config.live import on_live_zero3_config
-from hf_zero.engine.engine import ZeroEngine
-from hf_zero.engine.initialize import initialize
 
 __version__ = "0.1.0"
 
@@ -20,5 +24,18 @@ def _install_sharded_loading() -> None:
 
 
 on_live_zero3_config(_install_sharded_loading)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "initialize":
+        from hf_zero.engine.initialize import initialize
+
+        return initialize
+    if name == "ZeroEngine":
+        from hf_zero.engine.engine import ZeroEngine
+
+        return ZeroEngine
+    raise AttributeError(f"module 'hf_zero' has no attribute {name!r}")
+
 
 __all__ = ["HfZeroConfig", "HfZeroConfigError", "ZeroEngine", "initialize", "__version__"]

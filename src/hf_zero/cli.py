@@ -1,22 +1,114 @@
-"""The ``hf-zero`` command: ``demo`` (the main job), ``check-config``, ``export``, ``estimate`` and
-``launch`` (``accelerate launch`` with an ``hf_zero:`` section in its yaml)."""
+"""The ``hf-zero`` command: ``demo`` (the main job), ``doctor``, ``check-config``, ``export``,
+``estimate`` and ``launch`` (``accelerate launch`` with an ``hf_zero:`` section in its yaml).
+
+[Note: the command imports torch late] Building the parser, ``--version`` and ``check-config``
+import neither torch nor transformers (importing torch alone takes 1-20 s on a busy machine):
+``hf_zero/__init__.py`` loads the engine on first use, hf_zero.config imports torch only where a
+dtype or a torch class is asked for, and the demo's flags live here, not in hf_zero.demo.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
+from collections.abc import Callable
+from typing import Any
+
+
+# ---------------------------------------------------------------- the demo's flags
+def at_least(low: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer of at least ``low`` (argparse reports a bad one in one line)."""
+
+    def integer(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    return integer
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}")
+    return value
+
+
+DEMO_DEVICE_HELP = ("where the ranks compute: cpu (over gloo; any GPU is hidden from the ranks) or cuda "
+                    "(over NCCL, one GPU per rank)")
+
+
+def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    """The demo's flags, shared by ``hf-zero demo`` (which checks them before starting any
+    process, then passes them on) and ``python -m hf_zero.demo``."""
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help=DEMO_DEVICE_HELP)
+    parser.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3], help="ZeRO stage")
+    parser.add_argument("--steps", type=at_least(1), default=40, help="optimizer steps")
+    parser.add_argument("--n-layer", type=at_least(1), default=4, help="GPT-2 layers")
+    parser.add_argument("--n-embd", type=at_least(1), default=256,
+                        help="GPT-2 hidden size (with n-embd // 64 heads, at least 1, which must divide it)")
+    parser.add_argument("--vocab", type=at_least(2), default=8192, help="vocabulary size")
+    parser.add_argument("--active-vocab", type=at_least(1), default=256,
+                        help="tokens the data uses (its Markov chain's states; at most --vocab)")
+    parser.add_argument("--seq", type=at_least(2), default=128, help="tokens per sequence")
+    parser.add_argument("--micro-batch", type=at_least(1), default=4, help="sequences per rank per micro-step")
+    parser.add_argument("--grad-accum", type=at_least(1), default=1, help="gradient accumulation steps")
+    parser.add_argument("--lr", type=positive_float, default=3e-3, help="AdamW learning rate")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                        help="compute dtype (bf16 is slow on CPUs without native bf16 matmul)")
+    parser.add_argument("--seed", type=int, default=1234, help="seed of the weights and the data")
+    parser.add_argument("--json", type=str, default=None, help="also write the summary to this JSON file")
+
+
+def n_head(n_embd: int) -> int:
+    return max(1, n_embd // 64)
+
+
+def check_demo_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, nproc: int | None = None) -> None:
+    """The rules between flags, and between flags and the machine; ``parser.error`` prints the
+    usage and one line, and exits with 2. Imports torch only for ``--device cuda``."""
+    if args.n_embd % n_head(args.n_embd):
+        parser.error(f"argument --n-embd: {args.n_embd} is not divisible by its {n_head(args.n_embd)} heads "
+                     "(n-embd // 64): use a multiple of 64, or a value under 128")
+    if args.device != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        parser.error(f"argument --device: cuda, but torch {torch.__version__} sees no CUDA device on this machine "
+                     f"({'a CPU-only build' if torch.version.cuda is None else f'built for CUDA {torch.version.cuda}'}): "
+                     "use --device cpu, or run hf-zero doctor")
+    if nproc is not None and nproc > torch.cuda.device_count():
+        parser.error(f"argument --nproc: {nproc} processes with --device cuda, but {torch.cuda.device_count()} GPU(s) "
+                     "(one process per GPU): lower --nproc, or use --device cpu")
 
 
 def _demo(args: argparse.Namespace, rest: list[str]) -> int:
+    check_demo_arguments(args.subparser, args, args.nproc)
+    import tempfile
+
     # Every flag but --nproc belongs to hf_zero.demo: pass them on as they were given.
     passed = _without_option(args.argv, "--nproc")
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={args.nproc}", "-m", "hf_zero.demo", *passed,
-    ]
-    print("running:", " ".join(command), flush=True)
-    return subprocess.call(command)
+    env = dict(os.environ)
+    if args.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # hf_zero.demo hides it too; torchrun's own checks then agree
+    # torchrun keeps its per-rank log folders in a fresh temporary folder unless given one
+    with tempfile.TemporaryDirectory(prefix="hf_zero_demo_logs_") as logs:
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--log-dir={logs}",
+            f"--nproc_per_node={args.nproc}", "-m", "hf_zero.demo", *passed,
+        ]
+        print("running:", " ".join(command), flush=True)
+        return subprocess.call(command, env=env)
 
 
 def _without_option(argv: list[str], option: str) -> list[str]:
@@ -33,10 +125,11 @@ def _without_option(argv: list[str], option: str) -> list[str]:
 
 
 def _check_config(args: argparse.Namespace, rest: list[str]) -> int:
+    # no torch: [Note: the command imports torch late]
     from hf_zero.config import HfZeroConfig, HfZeroConfigError
 
     try:
-        config = HfZeroConfig(args.path)
+        config = HfZeroConfig.checked(args.path)  # not the live stage-3 config: nothing is loaded here
     except HfZeroConfigError as error:
         print(error, file=sys.stderr)
         return 1
@@ -48,6 +141,12 @@ def _check_config(args: argparse.Namespace, rest: list[str]) -> int:
     note = f" ({len(warnings)} warning{'s' if len(warnings) != 1 else ''} above)" if warnings else ""
     print(f"{args.path}: valid{note}. Still \"auto\": {config.auto_keys() or 'nothing'}")
     return 0
+
+
+def _doctor(args: argparse.Namespace, rest: list[str]) -> int:
+    from hf_zero.doctor import doctor
+
+    return doctor(with_suite=not args.facts_only, repo=args.repo)
 
 
 def _export(args: argparse.Namespace, rest: list[str]) -> int:
@@ -242,22 +341,45 @@ _LAUNCH_HELP = ("accelerate launch with an hf_zero: section in --config_file (or
                 "every other argument goes to accelerate launch unchanged")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from hf_zero.demo import add_demo_arguments
+def _version() -> str:
+    # hf_zero/__init__.py imports no torch: [Note: the command imports torch late]
+    from hf_zero import __version__
 
+    return f"hf-zero {__version__} (python {sys.version.split()[0]})"
+
+
+def _add_doctor(sub: Any) -> None:
+    doctor = sub.add_parser("doctor", formatter_class=_FORMATTER,
+                            help="what this machine has (torch, CUDA, NCCL, triton, GPUs, pinned memory), "
+                            "then the CUDA suite",
+                            description="Print the torch build, CUDA, NCCL, triton, the GPUs and whether pinned "
+                            "host memory works, then run the CUDA suite with pytest and print its result and "
+                            "duration. Exits non-zero when CUDA is missing or the suite does not pass.")
+    doctor.add_argument("--facts-only", action="store_true", help="print the facts and exit 0, without the suite")
+    doctor.add_argument("--repo", default=None,
+                        help="the hf_zero checkout whose tests/ hold the CUDA suite (default: the one this "
+                        "hf_zero was installed from with pip install -e, else the working directory)")
+    doctor.set_defaults(func=_doctor)
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-zero", description="hf_zero: ZeRO for Hugging Face models")
+    parser.add_argument("--version", action="version", version=_version(), help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", formatter_class=_FORMATTER,
-                          help="a real multi-process ZeRO training run of a small GPT-2 on CPU",
+                          help="a real multi-process ZeRO training run of a small GPT-2, on CPU unless --device cuda",
                           description="Start `torchrun --standalone` on hf_zero.demo: a real ZeRO run of a small "
-                          "GPT-2 on CPU over gloo, with a progress bar and a summary.")
-    demo.add_argument("--nproc", type=int, default=2, help="processes (ranks) to start")
+                          "GPT-2, with a progress bar and a summary. It runs on CPU over gloo even on a GPU "
+                          "machine; --device cuda runs one rank per GPU over NCCL.")
+    demo.add_argument("--nproc", type=at_least(1), default=2, help="processes (ranks) to start")
     add_demo_arguments(demo)
-    demo.set_defaults(func=_demo)
+    demo.set_defaults(func=_demo, subparser=demo)
+    _add_doctor(sub)
     check = sub.add_parser("check-config", formatter_class=_FORMATTER,
-                           help="validate a DeepSpeed/hf_zero JSON config",
-                           description="Check every key of a DeepSpeed-schema JSON config and report every "
-                           "problem at once; \"auto\" values are listed, to be filled by the Trainer or Accelerate.")
+                           help="validate a DeepSpeed/hf_zero JSON (or hjson) config",
+                           description="Check every key of a DeepSpeed-schema config (JSON, or hjson with comments "
+                           "and trailing commas, as DeepSpeed reads) and report every problem at once; \"auto\" "
+                           "values are listed, to be filled by the Trainer or Accelerate. Imports no torch.")
     check.add_argument("path", help="the JSON config file")
     check.set_defaults(func=_check_config)
     _add_export_and_estimate(sub)

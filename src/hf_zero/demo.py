@@ -1,9 +1,11 @@
-"""The main job: a real multi-process ZeRO training run of a small GPT-2-style model on CPU.
+"""The main job: a real multi-process ZeRO training run of a small GPT-2-style model, on CPU over
+gloo unless ``--device cuda`` asks for one GPU per rank over NCCL.
 
 Run it with ``hf-zero demo`` (which starts ``torchrun``), or directly with
 ``torchrun --nproc_per_node 2 -m hf_zero.demo``. Each rank builds nothing by itself: rank 0
-saves a freshly initialised model with ``save_pretrained``, every rank loads it with
-``from_pretrained`` (the real loading path), and ``hf_zero.initialize`` shards it. The data is a
+saves a freshly initialised model with ``save_pretrained`` into a temporary folder, every rank
+loads it with ``from_pretrained`` (the real loading path), rank 0 removes the folder, and
+``hf_zero.initialize`` shards the model. The data is a
 synthetic sparse Markov chain over the first ``--active-vocab`` tokens (each token has 4
 possible successors), so the loss has somewhere to go within a short run: from ln(vocab) toward
 ln(4), through ln(active vocab) once the model learns which tokens occur.
@@ -18,6 +20,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import tempfile
 import time
@@ -26,30 +29,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-
-def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
-    """The demo's flags (shared with ``hf-zero demo``, which passes them through)."""
-    parser.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3], help="ZeRO stage")
-    parser.add_argument("--steps", type=int, default=40, help="optimizer steps")
-    parser.add_argument("--n-layer", type=int, default=4, help="GPT-2 layers")
-    parser.add_argument("--n-embd", type=int, default=256, help="GPT-2 hidden size")
-    parser.add_argument("--vocab", type=int, default=8192, help="vocabulary size")
-    parser.add_argument("--active-vocab", type=int, default=256, help="tokens the data uses (its Markov chain's states)")
-    parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
-    parser.add_argument("--micro-batch", type=int, default=4, help="sequences per rank per micro-step")
-    parser.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
-    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
-    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
-                        help="compute dtype (bf16 is slow on CPUs without native bf16 matmul)")
-    parser.add_argument("--seed", type=int, default=1234, help="seed of the weights and the data")
-    parser.add_argument("--json", type=str, default=None, help="also write the summary to this JSON file")
+from hf_zero.cli import add_demo_arguments, check_demo_arguments, n_head
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m hf_zero.demo", description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_demo_arguments(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    check_demo_arguments(parser, args)
+    return args
 
 
 def markov_successors(vocab: int, seed: int) -> torch.Tensor:
@@ -74,7 +63,7 @@ def save_model(args: argparse.Namespace, path: str) -> None:
     torch.manual_seed(args.seed)
     config = GPT2Config(
         vocab_size=args.vocab, n_positions=args.seq, n_embd=args.n_embd, n_layer=args.n_layer,
-        n_head=max(1, args.n_embd // 64), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        n_head=n_head(args.n_embd), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
         bos_token_id=0, eos_token_id=0,  # GPT-2's own ids (50256) are outside a small vocabulary
     )
     GPT2LMHeadModel(config).save_pretrained(path)
@@ -87,7 +76,7 @@ def zero_config(args: argparse.Namespace) -> dict[str, Any]:
         "gradient_clipping": 1.0,
         "bf16": {"enabled": args.dtype == "bf16"},
         "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
-        "scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 5, "total_num_steps": args.steps, "warmup_type": "linear"}},
+        "scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": min(5, args.steps), "total_num_steps": args.steps, "warmup_type": "linear"}},
         "zero_optimization": {"stage": args.stage, "stage3_param_persistence_threshold": 0},
     }
 
@@ -99,18 +88,14 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     import hf_zero
     from hf_zero.comm import default_device, ensure_process_group
 
-    ensure_process_group(default_device())  # the barrier below needs it before initialize
-    if args.dtype == "bf16" and default_device().type == "cpu" and int(os.environ.get("RANK", "0")) == 0:
+    device = default_device()  # the CPU under --device cpu: main() hid CUDA before anything used it
+    ensure_process_group(device)  # the barriers below need it before initialize
+    if args.dtype == "bf16" and device.type == "cpu" and int(os.environ.get("RANK", "0")) == 0:
         warn_if_bf16_is_slow()
-    model_dir = os.path.join(tempfile.gettempdir(), f"hf_zero_demo_{os.environ.get('MASTER_PORT', 'local')}")
-    rank = int(os.environ.get("RANK", "0"))
-    if rank == 0:
-        save_model(args, model_dir)
-    if dist.is_initialized():
-        dist.barrier()
-    model = GPT2LMHeadModel.from_pretrained(model_dir)
+    model = load_saved_model(args, GPT2LMHeadModel)
     model.loss_type = "ForCausalLM"  # transformers infers it from the class name, and warns for GPT-2's
     engine, _, _, _ = hf_zero.initialize(model=model, config=zero_config(args))
+    engine.reset_comm_stats()  # the summary counts the training steps' collectives, not initialize's
     world = engine.world_size
     successors = markov_successors(min(args.active_vocab, args.vocab), args.seed)
     losses, step_times = [], []
@@ -120,7 +105,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         step_loss = 0.0
         for micro in range(args.grad_accum):
             seed = args.seed + 7919 * (step * args.grad_accum + micro) + engine.rank
-            ids = markov_batch(successors, args.micro_batch, args.seq, seed)
+            ids = markov_batch(successors, args.micro_batch, args.seq, seed).to(device)
             loss = engine(input_ids=ids, labels=ids).loss
             engine.backward(loss)
             engine.step()
@@ -129,6 +114,26 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         losses.append(step_loss)
         bar.set_postfix(loss=f"{step_loss:.3f}", step_s=f"{step_times[-1]:.3f}")
     return summarize(args, engine, losses, step_times)
+
+
+def load_saved_model(args: argparse.Namespace, model_class: Any) -> torch.nn.Module:
+    """``model_class.from_pretrained`` of the model rank 0 saves into a fresh temporary folder,
+    which rank 0 removes once every rank has loaded it (or failed to)."""
+    rank = int(os.environ.get("RANK", "0"))
+    folder = [tempfile.mkdtemp(prefix="hf_zero_demo_") if rank == 0 else None]
+    try:
+        if dist.is_initialized():
+            dist.broadcast_object_list(folder, src=0)  # the ranks of a --standalone run share a disk
+        if rank == 0:
+            save_model(args, folder[0])
+        if dist.is_initialized():
+            dist.barrier()
+        return model_class.from_pretrained(folder[0])
+    finally:
+        if dist.is_initialized():
+            dist.barrier()
+        if rank == 0:
+            shutil.rmtree(folder[0], ignore_errors=True)
 
 
 def warn_if_bf16_is_slow() -> None:
@@ -170,19 +175,27 @@ def summarize(args: argparse.Namespace, engine: Any, losses: list[float], step_t
     mean_losses = [statistics.fmean(r["loss"][i] for r in per_rank) for i in range(len(losses))]
     params = sum(p.numel() for p in engine.module.parameters())
     formula_bytes, formula = model_state_formula(args.stage, args.dtype, params, engine.world_size)
+    total = engine.comm_stats()
     return {
-        "stage": args.stage, "world_size": engine.world_size, "dtype": args.dtype,
+        "stage": args.stage, "world_size": engine.world_size, "dtype": args.dtype, "device": str(engine.device),
         "params": params, "formula": formula, "formula_bytes": formula_bytes,
         "units": len(engine.units), "unit_rule": engine.unit_rule,
         "loss_first": mean_losses[0], "loss_last": mean_losses[-1],
         "step_time_median_s": statistics.median(timed), "tokens_per_s": tokens / statistics.median(timed),
-        "comm_per_step": engine.comm_stats(), "per_rank": per_rank,
+        "comm": {
+            "counts": f"collectives rank {engine.rank} issued over the {len(losses)} training steps "
+                      "(initialize excluded): calls, elements and bytes per kind",
+            "steps": len(losses), "total": total,
+            "per_step": {kind: {k: v / len(losses) for k, v in c.items()} for kind, c in total.items()},
+        },
+        "per_rank": per_rank,
     }
 
 
 def print_summary(summary: dict[str, Any]) -> None:
     mib = 1024 * 1024
-    print(f"\nhf_zero demo: ZeRO-{summary['stage']}, {summary['world_size']} processes, {summary['dtype']}, "
+    processes = f"{summary['world_size']} process{'es' if summary['world_size'] != 1 else ''}"
+    print(f"\nhf_zero demo: ZeRO-{summary['stage']}, {processes} on {summary['device']}, {summary['dtype']}, "
           f"{summary['params']:,} parameters in {summary['units']} units ({summary['unit_rule']})")
     print(f"loss {summary['loss_first']:.4f} -> {summary['loss_last']:.4f}   "
           f"step time median {summary['step_time_median_s']:.3f} s   {summary['tokens_per_s']:.0f} tokens/s")
@@ -202,6 +215,8 @@ def print_summary(summary: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.device == "cpu":
+        hide_cuda()
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     summary = train(args)
     if int(os.environ.get("RANK", "0")) == 0:
@@ -211,6 +226,15 @@ def main(argv: list[str] | None = None) -> None:
                 json.dump(summary, f, indent=1)
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def hide_cuda() -> None:
+    """Make this process see no GPU (torch reads ``CUDA_VISIBLE_DEVICES`` when CUDA is first
+    used, which nothing here has done yet), so that the engine computes on the CPU over gloo."""
+    if torch.cuda.is_initialized():
+        raise RuntimeError("hf_zero.demo --device cpu: CUDA was initialised before the demo could hide it; "
+                           "run the demo in a fresh process (hf-zero demo or torchrun -m hf_zero.demo)")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
 if __name__ == "__main__":

@@ -13,7 +13,10 @@ jobs (a JSON plan) one after the other and every rank writes every job's result.
 - ``best``: ``load_best_model_at_end`` brings back an older checkpoint's weights;
 - ``resolve``: the "auto" resolution at world size 2, against transformers' own code;
 - ``muon``: Muon with AdamW for the rest, from the config's section under ``HfZeroTrainer`` or
-  passed to transformers' Trainer under DDP.
+  passed to transformers' Trainer under DDP;
+- ``grad_norm``: ``HfZeroTrainer`` (or transformers' Trainer under DDP) recording, for every
+  optimizer step, the full weights the step starts from and every rank's micro-batches, from
+  which the test recomputes the step's gradient norm in fp64 (test_trainer_grad_norm.py).
 
 Run through the runner, as users run a script:
 ``torchrun --standalone --nproc_per_node 2 -m hf_zero.run -m tests.integration.trainer_driver PLAN.json``
@@ -274,7 +277,65 @@ def run_muon(job: dict[str, Any]) -> dict[str, Any]:
     return log_history(args.output_dir)
 
 
+def run_grad_norm(job: dict[str, Any]) -> dict[str, Any]:
+    """A Trainer run that keeps what an fp64 recomputation of each step's gradient norm needs:
+    rank 0 writes the full fp32 weights each optimizer step starts from to
+    ``<record_dir>/step<N>.pt`` (gathered from the shards under hf_zero), and every
+    rank's micro-batches of each step, in the order they ran, with the ``num_items_in_batch``
+    the Trainer divided their loss by, go to ``<record_dir>/batches.json``
+    (``[step][rank][micro-batch]`` -> column -> rows)."""
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+    from hf_zero.integrations._weights import engine_of, gather_full_state_dict
+
+    if job.get("zero_config"):
+        from hf_zero.integrations.transformers import HfZeroTrainer as base
+
+        args = _explicit_args(job)
+    else:  # transformers' Trainer exactly as shipped, under DDP
+        from hf_zero.integrations.transformers import disable
+
+        disable()
+        base, args = Trainer, TrainingArguments(**job["training_args"])
+    record_dir, batches = job["record_dir"], []
+    os.makedirs(record_dir, exist_ok=True)
+
+    class RecordingTrainer(base):  # type: ignore[misc, valid-type]
+        def training_step(self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None) -> Any:
+            record = {k: v.tolist() for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+            record["num_items_in_batch"] = None if num_items_in_batch is None else float(num_items_in_batch)
+            batches[-1].append(record)
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    class WeightsAtStepBegin(TrainerCallback):
+        def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+            batches.append([])
+            engine = engine_of(model)
+            if engine is not None:  # collective: every rank gathers, rank 0 keeps the result
+                weights = gather_full_state_dict(engine, dtype=torch.float32)
+            else:
+                weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            if _rank() == 0:  # torch.save keeps tied weights one tensor, as the model has them
+                torch.save(weights, os.path.join(record_dir, f"step{len(batches)}.pt"))
+
+    model = AutoModelForCausalLM.from_pretrained(job["model_dir"])
+    train_dataset, _ = _tiny_datasets(job["model_dir"], job["train_samples"], 2)
+    trainer = RecordingTrainer(model=model, args=args, train_dataset=train_dataset, callbacks=[WeightsAtStepBegin()])
+    trainer.train()
+    trainer.save_state()
+    per_rank: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, batches)
+    if _rank() == 0:
+        with open(os.path.join(record_dir, "batches.json"), "w") as f:
+            json.dump([[rank_batches[step] for rank_batches in per_rank] for step in range(len(batches))], f)
+    _wait_for_main_process_files()
+    return {"record_dir": record_dir, **log_history(args.output_dir)}
+
+
 JOBS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "grad_norm": run_grad_norm,
     "muon": run_muon,
     "script": run_script,
     "explicit": run_explicit,

@@ -1,8 +1,12 @@
 """The ``hf-zero`` command explains itself: every subcommand's ``--help`` works and describes
-every option, and every flag the README shows for a subcommand exists."""
+every option, and every flag the README shows for a subcommand exists. ``--version`` and
+``check-config`` answer without importing torch; the demo refuses a bad flag in one line before
+starting any process."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import subprocess
 import sys
@@ -13,7 +17,7 @@ import pytest
 from hf_zero.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[2]
-SUBCOMMANDS = ["demo", "check-config", "export", "estimate", "launch"]
+SUBCOMMANDS = ["demo", "doctor", "check-config", "export", "estimate", "launch"]
 
 
 def _subparsers() -> dict:
@@ -38,10 +42,14 @@ def test_every_help_exits_zero_and_describes_every_option(command):
 def test_demo_help_lists_the_demos_own_flags():
     demo = _subparsers()["demo"]
     flags = {s for a in demo._actions for s in a.option_strings}
-    assert {"--nproc", "--stage", "--steps", "--dtype", "--json"} <= flags
+    assert {"--nproc", "--device", "--stage", "--steps", "--dtype", "--json"} <= flags
     out = subprocess.run([sys.executable, "-m", "hf_zero.demo", "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "usage: python -m hf_zero.demo" in out.stdout
     assert "ZeRO stage (default: 3)" in out.stdout
+    # The help says which device the demo uses, and that --device chooses.
+    help_text = " ".join(out.stdout.split())
+    assert "cpu (over gloo; any GPU is hidden from the ranks) or cuda (over NCCL, one GPU per rank) (default: cpu)" \
+        in help_text, help_text
 
 
 def test_demo_passes_its_flags_on_and_keeps_nproc():
@@ -78,3 +86,67 @@ def test_every_flag_the_readme_shows_exists():
         known = {s for a in parsers[command]._actions for s in a.option_strings}
         for flag in flags:
             assert flag in known, f"README: hf-zero {command} {flag} does not exist"
+
+
+def _hf_zero(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "hf_zero.cli", *args], capture_output=True, text=True,
+                          timeout=120, cwd=REPO, env={**os.environ, **(env or {})})
+
+
+@pytest.mark.parametrize("flags, error", [
+    (["--nproc", "0"], "argument --nproc: must be at least 1, got 0"),
+    (["--steps", "0"], "argument --steps: must be at least 1, got 0"),
+    (["--steps", "x"], "argument --steps: expected an integer, got 'x'"),
+    (["--micro-batch", "-1"], "argument --micro-batch: must be at least 1, got -1"),
+    (["--seq", "1"], "argument --seq: must be at least 2, got 1"),
+    (["--lr", "0"], "argument --lr: must be a finite number above 0, got 0"),
+    (["--n-embd", "129"], "argument --n-embd: 129 is not divisible by its 2 heads"),
+    (["--device", "cuda"], "argument --device: cuda, but torch "),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_demo_refuses_a_bad_flag_in_one_line_before_starting(flags: list[str], error: str) -> None:
+    run = _hf_zero("demo", *flags, env={"CUDA_VISIBLE_DEVICES": ""})  # --device cuda fails on any machine
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "running:" not in run.stdout and "Traceback" not in run.stderr  # no torchrun, no per-rank tracebacks
+    lines = run.stderr.strip().splitlines()
+    assert lines[0].startswith("usage: hf-zero demo") and lines[-1].startswith("hf-zero demo: error: ")
+    assert error in lines[-1], lines[-1]
+
+
+def test_version() -> None:
+    from hf_zero import __version__
+
+    run = _hf_zero("--version")
+    assert run.returncode == 0 and run.stdout.startswith(f"hf-zero {__version__} "), run.stdout + run.stderr
+
+
+_IMPORTS_PROBE = """
+import json, sys, time
+start = time.perf_counter()
+from hf_zero.cli import main
+code = main(sys.argv[1:])
+print(json.dumps({"code": code, "seconds": time.perf_counter() - start,
+                  "imported": sorted(m for m in ("torch", "transformers", "accelerate") if m in sys.modules)}))
+"""
+
+
+@pytest.mark.parametrize("config", ["zero3.json", "zero2_offload.json", "zero3_nvme.json"])
+def test_check_config_imports_no_torch_and_takes_under_a_second(config: str) -> None:
+    run = subprocess.run([sys.executable, "-c", _IMPORTS_PROBE, "check-config", str(REPO / "recipes" / config)],
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert run.returncode == 0, run.stderr
+    probe = json.loads(run.stdout.strip().splitlines()[-1])
+    assert probe["code"] == 0 and probe["imported"] == [], probe
+    assert probe["seconds"] < 1.0, probe  # importing torch alone takes 1-20 s
+
+
+def test_check_config_leaves_model_loading_alone() -> None:
+    from hf_zero.cli import main
+    from hf_zero.config import live
+
+    made_live: list[bool] = []
+    live.on_live_zero3_config(lambda: made_live.append(True))
+    try:
+        assert main(["check-config", str(REPO / "recipes" / "zero3.json")]) == 0
+    finally:
+        live._listeners.pop()
+    assert not made_live, "check-config made its stage-3 config the live one (which hooks from_pretrained)"

@@ -231,7 +231,7 @@ def test_missing_file_names_the_file(tmp_path: Path) -> None:
 
 
 def test_invalid_json_names_the_file_and_line(tmp_path: Path) -> None:
-    path = _write(tmp_path, '{\n  "zero_optimization": {"stage": 2,},\n}', "broken.json")
+    path = _write(tmp_path, '{\n  "zero_optimization": {"stage": 2,,},\n}', "broken.json")  # neither JSON nor hjson
     with pytest.raises(HfZeroConfigError) as info:
         HfZeroConfig(path)
     (problem,) = info.value.problems
@@ -450,9 +450,11 @@ def test_wrap_modules() -> None:
     ("section", "stage", "compute", "reduce", "accum"),
     [
         ({"bf16": {"enabled": True}}, 3, torch.bfloat16, torch.bfloat16, torch.float32),
-        ({"bf16": {"enabled": True}}, 1, torch.bfloat16, torch.bfloat16, torch.bfloat16),
+        ({"bf16": {"enabled": True}}, 1, torch.bfloat16, torch.bfloat16, torch.float32),
+        ({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "bf16"}}, 1, torch.bfloat16, torch.bfloat16,
+         torch.bfloat16),
         ({"fp16": {"enabled": True}}, 2, torch.float16, torch.float16, torch.float32),
-        ({"bf16": {"enabled": True}, "communication_data_type": "FP32"}, 0, torch.bfloat16, torch.float32, torch.bfloat16),
+        ({"bf16": {"enabled": True}, "communication_data_type": "FP32"}, 0, torch.bfloat16, torch.float32, torch.float32),
         ({}, 2, torch.float32, torch.float32, torch.float32),
     ],
 )

@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
 import json
 import logging
 import math
 import os
 from collections.abc import Mapping
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .auto import RESOLVE_ARGUMENTS, auto_paths, resolve_dict
 from .batch import GAS, MICRO, TOTAL, Batch, derive_batch
-from .keys import Status
+from .keys import DTYPE_SPELLINGS, Status
 from .live import set_live_zero3_config
 from .loading import load_config
 from .schema import (
@@ -33,12 +32,32 @@ from .schema import (
 )
 from .validate import AUTO, get_path, present_specs, validate
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = ["HfZeroConfig"]
 
 logger = logging.getLogger("hf_zero")
 
-_DTYPES: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _dtype(name: str) -> torch.dtype:
+    """"fp16" | "bf16" | "fp32" as a torch dtype. torch is imported here, not at the top: checking
+    a config needs none ([Note: the command imports torch late] in hf_zero.cli)."""
+    import torch
+
+    return {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[name]
+
 _LOGGED_NO_EFFECT: set[str] = set()  # "logged once" is per process
+
+
+def _load_checked(config: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[dict[str, Any], str]:
+    """The config as a plain dict and its source name; one HfZeroConfigError listing every problem."""
+    raw, source, problems = load_config(config)
+    if raw or not problems:  # an unreadable file has nothing to validate
+        problems += validate(raw, allow_auto=True)
+    problems.raise_if_any(source)
+    return raw, source
 
 
 class HfZeroConfig:
@@ -56,15 +75,22 @@ class HfZeroConfig:
         if isinstance(config, HfZeroConfig):
             self._init_state(copy.deepcopy(config._dict), config._source, config._world_size, config._batch_note)
             return
-        raw, source, problems = load_config(config)
-        if raw or not problems:  # an unreadable file has nothing to validate
-            problems += validate(raw, allow_auto=True)
-        problems.raise_if_any(source)
+        raw, source = _load_checked(config)
         self._init_state(raw, source, None, None)
         self._log_no_effect_once()
         if raw.get("zero_optimization", {}).get("stage") == 3:
             # Copies and resolved configs do not replace the user's own (see config/live.py).
             set_live_zero3_config(self)
+
+    @classmethod
+    def checked(cls, config: str | os.PathLike[str] | Mapping[str, Any]) -> HfZeroConfig:
+        """The config, checked as ``HfZeroConfig(config)`` checks it, that never becomes the live
+        stage-3 config (``hf-zero check-config``: checking a file must not change how models load,
+        nor import transformers to hook ``from_pretrained``)."""
+        raw, source = _load_checked(config)
+        checked = cls.__new__(cls)
+        checked._init_state(raw, source, None, None)
+        return checked
 
     def _init_state(self, raw: dict[str, Any], source: str, world_size: int | None, batch_note: str | None) -> None:
         self._dict = raw
@@ -210,14 +236,12 @@ class HfZeroConfig:
     @property
     def compute_dtype(self) -> torch.dtype:
         """Dtype of forward/backward: fp16 / bf16 when enabled, else fp32."""
-        if self.fp16.enabled:
-            return torch.float16
-        return torch.bfloat16 if self.bf16.enabled else torch.float32
+        return _dtype("fp16" if self.fp16.enabled else "bf16" if self.bf16.enabled else "fp32")
 
     @property
     def master_dtype(self) -> torch.dtype:
         """The master weights and Adam moments are always fp32."""
-        return torch.float32
+        return _dtype("fp32")
 
     @property
     def communication_data_type(self) -> str:
@@ -225,24 +249,27 @@ class HfZeroConfig:
         value = self._scalar("communication_data_type")
         if value is not None:
             return str(value).lower()
-        return {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(self.compute_dtype, "fp32")
+        return "fp16" if self.fp16.enabled else "bf16" if self.bf16.enabled else "fp32"
 
     @property
     def reduce_dtype(self) -> torch.dtype:
         """Dtype gradients are reduced in (= communication_data_type)."""
-        return _DTYPES[self.communication_data_type]
+        return _dtype(self.communication_data_type)
 
     @property
     def grad_accum_dtype(self) -> torch.dtype:
-        """Stages 2-3 accumulate into the fp32 gradient shard; stages 0-1 in the compute dtype."""
-        return torch.float32 if self.stage >= 2 else self.compute_dtype
+        """Gradients accumulate over micro-steps in fp32 (stages 2-3 in the fp32 gradient shard,
+        stages 0-1 in a fp32 buffer, as DeepSpeed's bf16 optimizer); stages 0-1 may keep the
+        compute dtype with ``data_types.grad_accum_dtype``, saving that buffer."""
+        value = self._scalar("data_types.grad_accum_dtype") if self.stage < 2 else None
+        return _dtype(DTYPE_SPELLINGS[str(value)] if value is not None else "fp32")
 
     def precision_policy(self) -> dict[str, Any]:
         """The dtypes of every copy of the model state, and the loss-scaling rule."""
         return {
             "compute_dtype": self.compute_dtype,
             "master_dtype": self.master_dtype,
-            "optimizer_state_dtype": torch.float32,
+            "optimizer_state_dtype": _dtype("fp32"),
             "reduce_dtype": self.reduce_dtype,
             "grad_accum_dtype": self.grad_accum_dtype,
             "loss_scaling": self._loss_scaling(),
@@ -297,9 +324,18 @@ class HfZeroConfig:
         return "\n".join(lines)
 
     def log_summary(self, rank: int) -> None:
-        """Log summary() once, on rank 0 only."""
-        if rank == 0:
-            logger.info("%s", self.summary())
+        """On rank 0 only: one INFO line (stage, batch, precision policy and a digest of the
+        resolved config, so that two runs' configs compare at a glance), and summary() in full,
+        some 35 lines, at DEBUG (``logging.getLogger("hf_zero").setLevel(logging.DEBUG)``)."""
+        if rank != 0:
+            return
+        digest = hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
+        policy = ", ".join(" ".join(line.split()) for line in self._policy_lines()
+                           if line.startswith(("compute", "reduce", "loss scaling", "unresolved")))
+        logger.info("hf_zero config %s: ZeRO stage %s, %s; precision policy: %s; resolved config sha256 %s "
+                    "(in full at DEBUG)", self._source, self._safe(lambda: self.stage), self._batch_line(),
+                    policy, digest)
+        logger.debug("%s", self.summary())
 
     def _batch_line(self) -> str:
         parts = [f"{key}={self._safe(lambda k=key: self._batch_member(k))}" for key in (TOTAL, MICRO, GAS)]

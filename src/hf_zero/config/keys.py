@@ -518,7 +518,7 @@ _SPECS: list[KeySpec] = [
     KeySpec("checkpoint.writer", Opaque(), None, "DeepSpeed's fast checkpoint writer options.", NO_EFFECT, "hf_zero has its own writer; the bytes saved are the same tensors", nullable=True),
     # -- data_types --
     KeySpec("data_types", Section(), {}, "Dtype overrides."),
-    KeySpec("data_types.grad_accum_dtype", Choice(tuple(DTYPE_SPELLINGS)), None, "Gradient accumulation dtype; hf_zero supports only its policy's dtype (fp32 for stages 2-3, the compute dtype for 0-1).", nullable=True),
+    KeySpec("data_types.grad_accum_dtype", Choice(tuple(DTYPE_SPELLINGS)), None, "Gradient accumulation dtype: fp32 by default at every stage; stages 0-1 may set the compute dtype to save their fp32 accumulation buffer.", nullable=True),
     KeySpec("data_types.param_dtype", Choice(tuple(DTYPE_SPELLINGS)), None, "Cast parameters to this dtype.", NOT_IMPLEMENTED, "a parameter dtype override", nullable=True, when_on="set"),
     KeySpec("data_types.buffer_dtype", Choice(tuple(DTYPE_SPELLINGS)), None, "Cast buffers to this dtype.", NOT_IMPLEMENTED, "a buffer dtype override", nullable=True, when_on="set"),
     # -- aio (runtime/swap_tensor/constants.py) --

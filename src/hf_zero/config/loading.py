@@ -1,8 +1,12 @@
 """Turn what the user passed (a path, inline JSON, a Mapping) into a plain, private dict.
 
 JSON is parsed with Python's json module, which reads ``Infinity`` as transformers / Accelerate
-write it (``"steps_per_print": Infinity``). Duplicate keys are problems (DeepSpeed rejects them
-too), because the second one silently wins otherwise.
+write it (``"steps_per_print": Infinity``). Text that is not strict JSON is read as hjson, as
+DeepSpeed reads every config (``hjson.load``): comments (``//``, ``#``, ``/* */``), trailing
+commas, unquoted keys. hjson comes second because it reads some strict JSON differently: an
+unquoted ``Infinity`` starts a quoteless string that runs to the end of its line. Duplicate
+keys are problems in both (DeepSpeed rejects them too), because the second one silently wins
+otherwise.
 
 A config is untrusted input: a file that is not UTF-8, JSON the parser cannot take (too deep for
 its recursion, an integer of 5000 digits) and nesting deeper than MAX_DEPTH (a dict passed in
@@ -89,18 +93,33 @@ def _too_deep(value: Any) -> str | None:
 
 def _parse(text: str, source: str, problems: ProblemList) -> Any:
     try:
-        return json.loads(text, object_pairs_hook=_object_pairs)
-    except json.JSONDecodeError as err:
-        problems.add(
-            source,
-            MISSING,
-            f"is not valid JSON: {err.msg} at line {err.lineno} column {err.colno}",
-            "fix the JSON there (DeepSpeed reads hjson; hf_zero reads strict JSON: no comments or trailing commas)",
-        )
-    except RecursionError:  # json's C scanner recurses once per level; past ~1000 it gives up
+        try:
+            return json.loads(text, object_pairs_hook=_object_pairs)
+        except json.JSONDecodeError as err:
+            return _parse_hjson(text, source, err, problems)
+    except RecursionError:  # each parser recurses once per level; past ~1000 it gives up
         problems.add(source, MISSING, _TOO_DEEP, _TOO_DEEP_FIX)
     except ValueError as err:  # e.g. an integer of more than 4300 digits (sys.set_int_max_str_digits)
         problems.add(source, MISSING, f"cannot be read as JSON: {one_line(str(err))}", "fix the value there")
+    return None
+
+
+def _parse_hjson(text: str, source: str, json_error: json.JSONDecodeError, problems: ProblemList) -> Any:
+    """``text``, which is not strict JSON, read as hjson; when that fails too, one problem with
+    both parsers' complaints (strict JSON's points at a typo in plain JSON, hjson's at one in a
+    file with comments)."""
+    import hjson  # imported only for a config that is not strict JSON
+
+    try:
+        return hjson.loads(text, object_pairs_hook=_object_pairs)
+    except hjson.HjsonDecodeError as err:
+        problems.add(
+            source,
+            MISSING,
+            f"is not valid JSON: {json_error.msg} at line {json_error.lineno} column {json_error.colno} "
+            f"(nor hjson, which DeepSpeed also reads: {err.msg} at line {err.lineno} column {err.colno})",
+            "fix the JSON there (comments, trailing commas and unquoted keys are accepted, as in DeepSpeed)",
+        )
     return None
 
 

@@ -37,7 +37,7 @@ def _status_text(spec: KeySpec) -> str:
     if spec.path == "scheduler.type":
         return "implemented for WarmupLR, WarmupDecayLR, WarmupCosineLR; not_implemented for other types"
     if spec.path == "data_types.grad_accum_dtype":
-        return "implemented for the policy's dtype only"
+        return "implemented: fp32 (default), or the compute dtype at stages 0-1"
     if spec.status is Status.NOT_IMPLEMENTED:
         return f"not_implemented when {spec.when_on}" if spec.when_on else "not_implemented"
     return spec.status.value

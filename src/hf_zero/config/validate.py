@@ -14,8 +14,6 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-import torch
-
 from .batch import GAS, MICRO, TOTAL, derive_batch
 from .errors import MISSING, ProblemList, echo
 from .keys import (
@@ -374,7 +372,7 @@ def _check_optimizer(root: dict[str, Any], problems: ProblemList) -> None:
     canonical = canonical_optimizer(name)
     if canonical in IMPLEMENTED_OPTIMIZERS:
         return
-    if canonical is not None or _is_torch_class(torch.optim, name):
+    if canonical is not None or _is_torch_class("torch.optim", name):
         rule = f"{NOT_IMPLEMENTED_RULE} (the {canonical or name} optimizer)"
         fix = 'use "AdamW", "Adam", "Muon" or "Adafactor", or remove the optimizer section and pass your own optimizer'
         problems.add("optimizer.type", name, rule, fix)
@@ -388,8 +386,14 @@ def _check_optimizer(root: dict[str, Any], problems: ProblemList) -> None:
         problems.add(rejected, params["max_grad_norm"], *REJECTED_KEYS[rejected])
 
 
-def _is_torch_class(module: Any, name: str) -> bool:
-    return name[:1].isupper() and isinstance(getattr(module, name, None), type)
+def _is_torch_class(module_name: str, name: str) -> bool:
+    """Whether ``module_name.name`` is a class. torch is imported only here, for a type that is
+    none of DeepSpeed's names ([Note: the command imports torch late] in hf_zero.cli)."""
+    if not name[:1].isupper():
+        return False
+    import importlib
+
+    return isinstance(getattr(importlib.import_module(module_name), name, None), type)
 
 
 def _check_scheduler(root: dict[str, Any], problems: ProblemList) -> None:
@@ -409,7 +413,7 @@ def _check_scheduler(root: dict[str, Any], problems: ProblemList) -> None:
         if isinstance(scheduler.get("params"), dict):
             _check_warmup_direction(name, scheduler["params"], problems)
         return
-    if name in DEEPSPEED_SCHEDULERS or _is_torch_class(torch.optim.lr_scheduler, name):
+    if name in DEEPSPEED_SCHEDULERS or _is_torch_class("torch.optim.lr_scheduler", name):
         rule = f"{NOT_IMPLEMENTED_RULE} (the {name} scheduler)"
         fix = 'use "WarmupLR", "WarmupDecayLR" or "WarmupCosineLR", or remove the scheduler section and pass your own'
         problems.add("scheduler.type", name, rule, fix)
@@ -463,12 +467,16 @@ def _check_grad_accum_dtype(root: dict[str, Any], problems: ProblemList) -> None
     fp16, bf16 = get_path(root, "fp16.enabled", False), get_path(root, "bf16.enabled", False)
     if not isinstance(value, str) or stage is None or not isinstance(fp16, bool) or not isinstance(bf16, bool):
         return  # unset, or depends on a value still "auto" (checked again by resolve)
-    # The accumulation dtype is part of hf_zero's precision policy, not a free choice (yet).
-    expected = "fp32" if stage >= 2 else ("fp16" if fp16 else "bf16" if bf16 else "fp32")
-    if DTYPE_SPELLINGS.get(value) != expected:
-        policy = f"hf_zero accumulates gradients in {expected} at stage {stage} with this precision"
+    # fp32 always; stages 0-1 may keep the compute dtype (their full gradient buffer), as
+    # DeepSpeed's bf16 optimizer allows. Stages 2-3 accumulate into the fp32 gradient shard.
+    compute = "fp16" if fp16 else "bf16" if bf16 else "fp32"
+    allowed = ["fp32"] if stage >= 2 else sorted({"fp32", compute})
+    if DTYPE_SPELLINGS.get(value) not in allowed:
+        policy = (f"hf_zero accumulates gradients in fp32 at stage {stage}" if stage >= 2 else
+                  f"at stage {stage} gradients accumulate in fp32 or in the compute dtype ({compute})")
         rule = f"{NOT_IMPLEMENTED_RULE} ({policy})"
-        problems.add("data_types.grad_accum_dtype", value, rule, f'remove it or set it to "{expected}"')
+        fix = " or ".join(f'"{a}"' for a in allowed)
+        problems.add("data_types.grad_accum_dtype", value, rule, f"remove it or set it to {fix}")
 
 
 def _check_batch(root: dict[str, Any], problems: ProblemList) -> None:

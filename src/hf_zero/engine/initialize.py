@@ -221,6 +221,8 @@ def initialize(
     lr_scheduler: Any = None,
     collate_fn: Callable | None = None,
     config_params: dict | None = None,
+    *,
+    _inference_only: bool = False,
 ) -> tuple[ZeroEngine, ZeroOptimizer | None, DataLoader | None, Any]:
     """Wrap ``model`` for ZeRO training; returns ``(engine, optimizer, dataloader, lr_scheduler)``.
 
@@ -241,6 +243,8 @@ def initialize(
     if local_error is None:  # until agree(): nothing that another rank could wait on
         try:
             resolved = parsed.resolve(world_size=comm.world_size, hidden_size=hidden_size_of(model))
+            if not _inference_only:
+                _check_optimizer_given(model, optimizer, resolved)
             if isinstance(optimizer, torch.optim.Optimizer):  # before any sharding: [Note: element-wise optimizers]
                 optimizer_kind = check_flat_shard_optimizer(type(optimizer), resolved.zero_allow_untested_optimizer,
                                                             resolved.stage)
@@ -336,6 +340,22 @@ def initialize(
     engine = ZeroEngine(model, resolved, comm, device, units, plan.rule, zero_optimizer, scheduler)
     dataloader = _build_dataloader(training_data, resolved, comm, collate_fn)
     return engine, zero_optimizer, dataloader, scheduler
+
+
+def _check_optimizer_given(model: nn.Module, optimizer: OptimizerArg, resolved: HfZeroConfig) -> None:
+    """A model with trainable parameters needs an optimizer from the config or the caller: without
+    one, ``engine.step()`` could only fail, steps later. Engines built for evaluation (the
+    integrations' inference engines) pass ``_inference_only``; a user freezes the model instead."""
+    if optimizer is not None or resolved.optimizer is not None:
+        return
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if trainable:
+        raise ValueError(
+            f"hf_zero.initialize: the model has {trainable:,} trainable parameter elements but no optimizer "
+            "(the config has no \"optimizer\" section and optimizer= was not passed), so engine.step() could not "
+            "train it. To train, add an \"optimizer\" section, e.g. {\"type\": \"AdamW\", \"params\": {\"lr\": 1e-4}}, "
+            "or pass optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4); for evaluation or inference only, "
+            "freeze the model first: model.requires_grad_(False)")
 
 
 def _join_group(device: torch.device, config: Any) -> tuple[Communicator, Any, Exception | None]:

@@ -253,8 +253,11 @@ class HfZeroAccelerator(Accelerator):
             lr_scheduler = None if config.scheduler is not None else scheduler.lr_scheduler_callable
         elif self._script_steps_scheduler(scheduler):
             lr_scheduler = None  # re-pointed below; see [Note: who steps the script's scheduler]
+        # Without an optimizer this is an evaluation engine (prepare_model(evaluation_mode=True), an
+        # eval-only prepare(model), the Trainer's evaluate before train): initialize must not refuse it.
         engine, _, _, _ = hf_zero.initialize(
-            model=model, config=config, optimizer=torch_optimizer, lr_scheduler=lr_scheduler
+            model=model, config=config, optimizer=torch_optimizer, lr_scheduler=lr_scheduler,
+            _inference_only=inference or (torch_optimizer is None and config.optimizer is None),
         )
         if self._script_steps_scheduler(scheduler) and engine.optimizer is not None:
             # The sharded optimizer's param groups carry the same hyperparameters (initial_lr included).
