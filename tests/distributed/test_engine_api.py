@@ -52,9 +52,10 @@ def _fp16_overflow_engine() -> Any:
 
 
 def _optimizer_digest(engine: Any) -> list[float]:
-    """Every moment and step count of this rank's optimizer state, summed per tensor."""
+    """Every moment and step count of this rank's optimizer state, summed per tensor (and per
+    list: the per-parameter step counts)."""
     state = engine.optimizer.state_dict()["state"]
-    return [float(v.double().abs().sum()) if torch.is_tensor(v) else float(v)
+    return [float(v.double().abs().sum()) if torch.is_tensor(v) else float(sum(v)) if isinstance(v, list) else float(v)
             for key in sorted(state) for _, v in sorted(state[key].items())]
 
 
