@@ -160,3 +160,17 @@ def test_stage3_parameter_read_outside_forward_names_it(no_launcher_env):
     engine.backward(S.model_loss(engine, "llama", ids))  # training goes on unaffected
     engine.step()
 
+
+
+def test_a_trainable_model_without_an_optimizer_is_refused_at_initialize(no_launcher_env):
+    """Not at the first engine.step(), steps later; a model in eval mode (from_pretrained's) or a
+    frozen one is taken for inference, as deepspeed.initialize takes it."""
+    import hf_zero
+
+    config = S.make_config(S.scenario("gpt2", 3))
+    del config["optimizer"]
+    model = S.build_model(S.scenario("gpt2", 3)).train()
+    with pytest.raises(ValueError, match=r"no optimizer .*add an \"optimizer\" section.*model\.eval\(\)"):
+        hf_zero.initialize(model=model, config=config)
+    engine, optimizer, _, _ = hf_zero.initialize(model=S.build_model(S.scenario("gpt2", 3)).eval(), config=config)
+    assert optimizer is None and engine(torch.ones(1, 4, dtype=torch.long)) is not None

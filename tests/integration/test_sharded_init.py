@@ -12,7 +12,7 @@ import torch
 
 from tests.distributed.launch import run_distributed
 
-ZERO3 = {"train_micro_batch_size_per_gpu": 1,
+ZERO3 = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
 
 

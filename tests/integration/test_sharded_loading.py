@@ -82,7 +82,8 @@ def test_meta_model_without_a_source_is_a_clear_error():
     with torch.device("meta"):
         model = torch.nn.Linear(4, 4)
     with pytest.raises(ValueError, match="meta device"):
-        hf_zero.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1})
+        hf_zero.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1,
+                                                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
 
 
 def _edited_checkpoint(root: str, edit: str) -> str:

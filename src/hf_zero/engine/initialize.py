@@ -343,10 +343,11 @@ def initialize(
 
 
 def _check_optimizer_given(model: nn.Module, optimizer: OptimizerArg, resolved: HfZeroConfig) -> None:
-    """A model with trainable parameters needs an optimizer from the config or the caller: without
-    one, ``engine.step()`` could only fail, steps later. Engines built for evaluation (the
-    integrations' inference engines) pass ``_inference_only``; a user freezes the model instead."""
-    if optimizer is not None or resolved.optimizer is not None:
+    """A model in training mode with trainable parameters needs an optimizer from the config or
+    the caller: without one, ``engine.step()`` could only fail, steps later. A model in eval mode
+    (``from_pretrained`` returns one) is taken for inference, as ``deepspeed.initialize`` takes
+    it; the integrations' evaluation engines pass ``_inference_only``."""
+    if optimizer is not None or resolved.optimizer is not None or not model.training:
         return
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if trainable:
@@ -355,7 +356,7 @@ def _check_optimizer_given(model: nn.Module, optimizer: OptimizerArg, resolved: 
             "(the config has no \"optimizer\" section and optimizer= was not passed), so engine.step() could not "
             "train it. To train, add an \"optimizer\" section, e.g. {\"type\": \"AdamW\", \"params\": {\"lr\": 1e-4}}, "
             "or pass optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4); for evaluation or inference only, "
-            "freeze the model first: model.requires_grad_(False)")
+            "call model.eval() (or model.requires_grad_(False)) first")
 
 
 def _join_group(device: torch.device, config: Any) -> tuple[Communicator, Any, Exception | None]:
