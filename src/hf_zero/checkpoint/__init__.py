@@ -1,9 +1,11 @@
 """Checkpoints: sharded save, load at any world size and stage, export to a Hugging Face folder.
 
 ``save_checkpoint`` / ``load_checkpoint`` take the engine (``engine.save_checkpoint(...)`` and
-``engine.load_checkpoint(...)`` delegate here); ``export_hf_model`` needs only the checkpoint.
+``engine.load_checkpoint(...)`` delegate here); ``export_hf_model`` needs only the checkpoint;
+``import_deepspeed_checkpoint`` turns a DeepSpeed ZeRO checkpoint into one ``load_checkpoint`` resumes.
 """
 
+from hf_zero.checkpoint.deepspeed_import import import_deepspeed_checkpoint
 from hf_zero.checkpoint.errors import CheckpointError, CheckpointNotFoundError
 from hf_zero.checkpoint.export import export_hf_model
 from hf_zero.checkpoint.load import load_checkpoint
@@ -11,6 +13,7 @@ from hf_zero.checkpoint.manifest import list_tags, read_manifest, resolve_checkp
 from hf_zero.checkpoint.save import save_checkpoint
 
 __all__ = [
-    "CheckpointError", "CheckpointNotFoundError", "export_hf_model", "list_tags", "load_checkpoint",
+    "CheckpointError", "CheckpointNotFoundError", "export_hf_model", "import_deepspeed_checkpoint", "list_tags",
+    "load_checkpoint",
     "read_manifest", "resolve_checkpoint_dir", "save_checkpoint",
 ]

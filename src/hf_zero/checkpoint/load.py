@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from hf_zero.checkpoint.deepspeed_import import refuse_deepspeed_checkpoint
 from hf_zero.checkpoint.engine_state import EngineState, flat_groups
 from hf_zero.checkpoint.errors import CheckpointError
 from hf_zero.checkpoint.manifest import (
@@ -136,6 +137,7 @@ def _check_optimizer(engine: EngineState, manifest: dict[str, Any], manifest_pat
 
 def _plan(engine: EngineState, load_dir: str | os.PathLike[str], tag: str | None, load_optimizer: bool,
           load_scheduler: bool, module_only: bool, allow_unverified: bool) -> _Plan:
+    refuse_deepspeed_checkpoint(engine, load_dir, tag)  # a DeepSpeed folder: the call that converts it
     ckpt_dir = resolve_checkpoint_dir(load_dir, tag)
     manifest = read_manifest(ckpt_dir, allow_unverified)
     with manifest_errors(ckpt_dir):

@@ -373,7 +373,9 @@ class ZeroEngine(nn.Module):
     ) -> tuple[str | None, dict]:
         """Load a checkpoint saved at any world size and stage; returns ``(checkpoint directory,
         client_state)``. ``allow_unverified`` loads a checkpoint written without per-tensor
-        checksums (an old format), at the risk its name says. See hf_zero.checkpoint.load."""
+        checksums (an old format), at the risk its name says. See hf_zero.checkpoint.load. A
+        DeepSpeed ZeRO checkpoint is converted once first, with hf_zero.checkpoint's
+        ``import_deepspeed_checkpoint``; loading its folder here raises an error giving that call."""
         from hf_zero.checkpoint import load_checkpoint
 
         return load_checkpoint(

@@ -1,0 +1,280 @@
+"""The files of a DeepSpeed checkpoint folder, found and unpickled without running them.
+
+[Note: DeepSpeed's pickles]
+DeepSpeed writes its checkpoints with ``torch.save``: pickles, and unpickling calls whatever a
+file names. A DeepSpeed folder is untrusted input like an hf_zero one, so each file is read in
+two checks with one allow-list, :data:`ALLOWED_GLOBALS`: exactly the globals that DeepSpeed
+0.19's ZeRO-1/2/3 checkpoints hold (found by loading checkpoints it wrote in fp32 and bf16,
+with ZeRO's optimizer, BF16_Optimizer and the stage-3 optimizer):
+
+- torch's tensor rebuild functions (``_rebuild_tensor_v2``; ``_rebuild_from_type_v2`` with
+  ``torch.Tensor`` for stage 3's flat groups), the storage types of the dtypes a safetensors file
+  holds, ``torch.Size``, those dtypes themselves (a dynamic loss scaler records its dtype) and
+  ``collections.OrderedDict``;
+- four DeepSpeed classes: ``ZeroStageEnum``, ``LossScaler``, ``DynamicLossScaler`` and
+  ``fragment_address``.
+
+First the pickle inside the file (``<archive>/data.pkl``) is scanned with ``pickletools``,
+which parses opcodes and executes nothing: a global outside the list (``collections.Counter``,
+a class of the training script written into ``client_state``, ``os.system``) is refused with
+one :class:`CheckpointError` naming every such global and the file. torch's own default list
+is wider (it admits ``collections.Counter``, ``builtins.set``, ``_codecs.encode``...), so this
+scan is the check that holds the line. Then ``torch.load(weights_only=True)`` reads the file
+with the DeepSpeed names mapped to inert stand-ins defined here (torch's ``safe_globals``
+accepts ``(object, "module.name")`` pairs), so a second, independent unpickler enforces the
+same list, and DeepSpeed itself is never imported: it need not be installed. A stand-in holds
+the plain state its pickle carried and runs no code of the class it stands for.
+
+Paths follow [Note: confined paths]: ``latest`` must hold a plain tag name, and every file is
+resolved inside the folder before it is opened.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import pickletools
+import re
+import zipfile
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hf_zero.checkpoint.errors import CheckpointError, CheckpointNotFoundError
+from hf_zero.checkpoint.paths import is_plain_name, resolve_inside
+from hf_zero.checkpoint.safetensors_io import DTYPE_TAGS
+
+LATEST_NAME = "latest"
+MODEL_STATES = "mp_rank_00_model_states.pt"  # stages 0-2: one file for every rank
+STAGE3_MODEL_STATES = "zero_pp_rank_{rank}_mp_rank_00_model_states.pt"  # stage 3: one per rank
+OPTIM_STATES = "{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"  # prefix "" or "bf16_"
+_LATEST_BYTES = 4096
+_MAX_PICKLE_BYTES = 1 << 30  # the pickle holds structure, not tensor data; DeepSpeed's is a few KB
+
+
+class DeepSpeedRecord:
+    """An object of a DeepSpeed class read from a checkpoint (a loss scaler, a fragment address):
+    its class name and the plain attributes its pickle held, in :attr:`state`. Unpickling it
+    runs nothing but this ``__setstate__`` (see [Note: DeepSpeed's pickles])."""
+
+    deepspeed_class = "?"
+
+    def __setstate__(self, state: Any) -> None:
+        if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
+            raise pickle.UnpicklingError(f"{self.deepspeed_class}: its pickled state is not a dict of attributes")
+        self.state = dict(state)
+
+
+class LossScalerRecord(DeepSpeedRecord):
+    deepspeed_class = "deepspeed.runtime.fp16.loss_scaler.LossScaler"
+
+
+class DynamicLossScalerRecord(DeepSpeedRecord):
+    deepspeed_class = "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"
+
+
+class FragmentAddressRecord(DeepSpeedRecord):
+    deepspeed_class = "deepspeed.utils.tensor_fragment.fragment_address"
+
+
+class ZeroStage(int):
+    """DeepSpeed's ``ZeroStageEnum`` (an ``int`` enum: pickled as a call with its value)."""
+
+    def __new__(cls, value: Any) -> "ZeroStage":
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 3:
+            raise pickle.UnpicklingError(f"ZeroStageEnum({value!r:.40}) is not a ZeRO stage (0 to 3)")
+        return super().__new__(cls, value)
+
+
+_DEEPSPEED_STAND_INS: dict[str, Any] = {
+    "deepspeed.runtime.zero.config.ZeroStageEnum": ZeroStage,
+    LossScalerRecord.deepspeed_class: LossScalerRecord,
+    DynamicLossScalerRecord.deepspeed_class: DynamicLossScalerRecord,
+    FragmentAddressRecord.deepspeed_class: FragmentAddressRecord,
+}
+_TORCH_GLOBALS = (
+    ["collections.OrderedDict", "torch.Size", "torch.Tensor", "torch._utils._rebuild_tensor_v2",
+     "torch._tensor._rebuild_from_type_v2"]
+    + [f"torch.{str(dtype).removeprefix('torch.')}" for dtype in DTYPE_TAGS]
+    + [f"torch.{kind}Storage" for kind in ("Double", "Float", "Half", "BFloat16", "Long", "Int", "Short",
+                                          "Char", "Byte", "Bool")]
+)
+# Every global a DeepSpeed checkpoint file may name (see [Note: DeepSpeed's pickles]).
+ALLOWED_GLOBALS: frozenset[str] = frozenset(_TORCH_GLOBALS) | frozenset(_DEEPSPEED_STAND_INS)
+
+
+def _pickle_bytes(path: str) -> bytes:
+    """The pickle of a ``torch.save`` zip file (``<archive>/data.pkl``)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            members = [info for info in archive.infolist() if info.filename.endswith("/data.pkl")]
+            if len(members) != 1:
+                raise CheckpointError(f"{path}: holds {len(members)} pickles (data.pkl), not the one torch.save writes")
+            if members[0].file_size > _MAX_PICKLE_BYTES:
+                raise CheckpointError(f"{path}: its pickle is {members[0].file_size} bytes, more than a DeepSpeed "
+                                      "checkpoint's structure takes")
+            return archive.read(members[0])
+    except (zipfile.BadZipFile, OSError, RuntimeError, ValueError) as exc:  # RuntimeError: an encrypted member
+        raise CheckpointError(f"{path}: not a torch.save zip file ({type(exc).__name__}: {exc}); only "
+                              "checkpoints written by torch >= 1.6 (DeepSpeed's format) are read") from exc
+
+
+def pickled_globals(data: bytes, path: str) -> list[str]:
+    """Every global the pickle ``data`` names, in order (parsed, never executed). An opcode that
+    names a global from the stack (``STACK_GLOBAL``, ``INST``...) is refused: torch.save never
+    writes one and the weights-only unpickler does not read one."""
+    found: list[str] = []
+    try:
+        for opcode, arg, _pos in pickletools.genops(io.BytesIO(data)):
+            if opcode.name == "GLOBAL":
+                found.append(str(arg).replace(" ", "."))
+            elif opcode.name in ("STACK_GLOBAL", "INST", "OBJ", "EXT1", "EXT2", "EXT4"):
+                raise CheckpointError(f"{path}: its pickle names an object through {opcode.name}, which "
+                                      "torch.save never writes; refusing it")
+    except (ValueError, EOFError, pickle.UnpicklingError) as exc:
+        raise CheckpointError(f"{path}: its pickle is malformed ({exc})") from exc
+    return found
+
+
+def check_globals(path: str) -> None:
+    """Refuse a file naming any global outside :data:`ALLOWED_GLOBALS`, naming each."""
+    names = pickled_globals(_pickle_bytes(path), path)
+    refused = sorted(set(names) - ALLOWED_GLOBALS)
+    if refused:
+        raise CheckpointError(
+            f"{path}: holds {', '.join(refused)}, not among the classes a DeepSpeed checkpoint is read with "
+            "(tensors, torch.Size, OrderedDict, DeepSpeed's ZeroStageEnum, LossScaler, DynamicLossScaler, "
+            "fragment_address); unpickling it could run code, so it is refused. If it is your own client_state, "
+            "re-save it from DeepSpeed as plain values (numbers, strings, lists, dicts)"
+        )
+
+
+def load_deepspeed_file(path: str) -> Any:
+    """One DeepSpeed checkpoint file, read as [Note: DeepSpeed's pickles] says; tensors are
+    memory-mapped from the file, not copied."""
+    check_globals(path)
+    stand_ins = [(obj, name) for name, obj in _DEEPSPEED_STAND_INS.items()]
+    try:
+        with torch.serialization.safe_globals(stand_ins):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except (pickle.UnpicklingError, RuntimeError, ValueError, TypeError, EOFError, OSError) as exc:
+        refused = re.search(r"GLOBAL (\S+)", str(exc))  # torch's unpickler names a global outside its list
+        detail = f"holds {refused.group(1)}, which it refuses" if refused else str(exc)[:300]
+        raise CheckpointError(f"{path}: not a readable DeepSpeed checkpoint file (torch.load(weights_only=True) "
+                              f"{detail})") from exc
+
+
+# --------------------------------------------------------------------------- the folder
+@dataclass(frozen=True)
+class DeepSpeedFolder:
+    """The files of one DeepSpeed checkpoint (one tag), every path resolved inside its folder."""
+
+    tag_dir: str
+    tag: str
+    model_files: list[str]  # rank 0's first; stage 3 has one per rank
+    optim_files: list[str]  # one per data-parallel rank, in rank order
+    stage3: bool
+
+
+def _read_latest(ds_dir: str, root: str) -> str | None:
+    path = os.path.join(ds_dir, LATEST_NAME)
+    if not os.path.isfile(resolve_inside(root, LATEST_NAME, path)):
+        return None
+    with open(path, "rb") as handle:
+        raw = handle.read(_LATEST_BYTES + 1)
+    tag = raw.decode("utf-8", errors="replace").strip()
+    if len(raw) > _LATEST_BYTES or tag == LATEST_NAME or not is_plain_name(tag):
+        raise CheckpointError(f"{path}: holds {tag[:80]!r}, which is not a tag name (a folder name of letters, "
+                              "digits and _ . + = @ -; no '/', no '..'); pass tag=... naming a folder of "
+                              f"{ds_dir}")
+    return tag
+
+
+def _holds_model_states(folder: str, root: str) -> bool:
+    return any(os.path.isfile(resolve_inside(root, name, os.path.join(folder, name)))
+               for name in (MODEL_STATES, STAGE3_MODEL_STATES.format(rank=0)))
+
+
+def deepspeed_tag_dir(ds_dir: str | os.PathLike[str], tag: str | None) -> tuple[str, str]:
+    """``(tag folder, tag)`` of a DeepSpeed checkpoint: ``ds_dir/tag``, ``ds_dir/<latest>``, or
+    ``ds_dir`` itself when it holds the model states. Raises CheckpointNotFoundError when there
+    is none."""
+    ds_dir = os.path.abspath(os.fspath(ds_dir))
+    if not os.path.isdir(ds_dir):
+        raise CheckpointNotFoundError(f"{ds_dir}: no such DeepSpeed checkpoint directory")
+    root = os.path.realpath(ds_dir)
+    if tag is None:
+        tag = _read_latest(ds_dir, root)
+        if tag is None:
+            if _holds_model_states(ds_dir, root):
+                return ds_dir, os.path.basename(ds_dir)
+            raise CheckpointNotFoundError(f"{ds_dir}: no 'latest' file and no {MODEL_STATES}; pass tag=... "
+                                          "naming the folder DeepSpeed saved (e.g. 'global_step100')")
+    if not is_plain_name(tag) or tag == LATEST_NAME:
+        raise CheckpointError(f"tag {tag!r:.80} is not a folder name inside {ds_dir}")
+    tag_dir = resolve_inside(root, tag, os.path.join(ds_dir, tag))
+    if not os.path.isdir(tag_dir) or not _holds_model_states(tag_dir, tag_dir):
+        raise CheckpointNotFoundError(f"{os.path.join(ds_dir, tag)}: no DeepSpeed checkpoint ({MODEL_STATES} or "
+                                      f"{STAGE3_MODEL_STATES.format(rank=0)} is missing)")
+    return tag_dir, tag
+
+
+def is_deepspeed_checkpoint(load_dir: str | os.PathLike[str], tag: str | None) -> bool:
+    """Whether ``load_dir`` (with ``tag``) names a DeepSpeed checkpoint rather than an hf_zero one:
+    its tag folder holds DeepSpeed's model states and no hf_zero manifest. Never raises."""
+    try:
+        tag_dir, _ = deepspeed_tag_dir(load_dir, tag)
+        return not os.path.lexists(resolve_inside(tag_dir, "manifest.json", os.path.join(tag_dir, "manifest.json")))
+    except (CheckpointError, OSError):
+        return False
+
+
+_RANK_FILE_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+_UNSUPPORTED_RE = re.compile(r"^(layer_\d+|expert_\d+|.*mp_rank_(?!00_)\d+).*\.pt$")
+
+
+def find_files(ds_dir: str | os.PathLike[str], tag: str | None) -> DeepSpeedFolder:
+    """The model-states and optimizer files of a DeepSpeed ZeRO checkpoint, refusing layouts
+    this import does not read (tensor or pipeline parallel, MoE experts)."""
+    tag_dir, tag = deepspeed_tag_dir(ds_dir, tag)
+    names = sorted(os.listdir(tag_dir))
+    other = [n for n in names if _UNSUPPORTED_RE.match(n)]
+    if other:
+        raise NotImplementedError(
+            f"{tag_dir}: holds {', '.join(other[:3])}: a checkpoint with tensor or pipeline parallelism or MoE "
+            "experts; importing one is not supported (only data-parallel ZeRO-1/2/3 checkpoints)"
+        )
+    ranks: dict[int, str] = {}
+    for name in names:
+        match = _RANK_FILE_RE.match(name)
+        if match:
+            ranks[int(match.group(2))] = name
+    if not ranks:
+        raise CheckpointError(f"{tag_dir}: no zero_pp_rank_*_optim_states.pt files: not a ZeRO checkpoint (stage 0 "
+                              "checkpoints keep a torch optimizer state, which this import does not read)")
+    if sorted(ranks) != list(range(len(ranks))):
+        raise CheckpointNotFoundError(f"{tag_dir}: optimizer files of ranks {sorted(ranks)}; ranks "
+                                      f"{sorted(set(range(max(ranks) + 1)) - set(ranks))} are missing")
+    first = STAGE3_MODEL_STATES.format(rank=0)
+    stage3 = os.path.isfile(resolve_inside(tag_dir, first, os.path.join(tag_dir, first)))
+    model_names = [STAGE3_MODEL_STATES.format(rank=r) for r in range(len(ranks))] if stage3 else [MODEL_STATES]
+    model_files = [resolve_inside(tag_dir, n, os.path.join(tag_dir, n)) for n in model_names]
+    missing = [p for p in model_files if not os.path.isfile(p)]
+    if missing:
+        raise CheckpointNotFoundError(f"{missing[0]}: missing ({len(missing)} model-states files are)")
+    optim_files = [resolve_inside(tag_dir, ranks[r], os.path.join(tag_dir, ranks[r])) for r in range(len(ranks))]
+    return DeepSpeedFolder(tag_dir, tag, model_files, optim_files, stage3)
+
+
+def plain_ordered(value: Any) -> Any:
+    """``OrderedDict`` as ``dict`` throughout (what JSON keeps)."""
+    if isinstance(value, OrderedDict):
+        value = dict(value)
+    if isinstance(value, dict):
+        return {k: plain_ordered(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [plain_ordered(v) for v in value]
+    return value
