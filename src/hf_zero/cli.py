@@ -163,6 +163,29 @@ def _export(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
+def _import_deepspeed(args: argparse.Namespace, rest: list[str]) -> int:
+    from hf_zero.checkpoint import CheckpointError, import_deepspeed_checkpoint
+
+    model = None
+    if args.model is not None:
+        from hf_zero.estimator import meta_model
+
+        try:
+            model = meta_model(args.model)  # names, shapes and config: all the import checks and records
+        except (OSError, ValueError) as error:
+            print(f"hf-zero import-deepspeed: cannot build a model from {args.model!r}: {error}", file=sys.stderr)
+            return 1
+    try:
+        out = import_deepspeed_checkpoint(args.ds_dir, args.out_dir, model=model, tag=args.tag,
+                                          optimizer_class=args.optimizer_class)
+    except (CheckpointError, ValueError) as error:
+        print(f"hf-zero import-deepspeed: {error}", file=sys.stderr)
+        return 1
+    print(f"converted {args.ds_dir} to {out}: resume it with engine.load_checkpoint({args.out_dir!r}) at any "
+          "world size and stage")
+    return 0
+
+
 def _estimate(args: argparse.Namespace, rest: list[str]) -> int:
     from hf_zero.estimator import WorkingSettings, describe, estimate_model_states, format_table, meta_model
 
@@ -202,6 +225,22 @@ def _add_export_and_estimate(sub: argparse._SubParsersAction) -> None:
                         "its config describes: for a model changed after it was built from its config (resized "
                         "embeddings, an added head), from a checkpoint you trust")
     export.set_defaults(func=_export)
+    imported = sub.add_parser("import-deepspeed", formatter_class=_FORMATTER,
+                              help="convert a DeepSpeed ZeRO-1/2/3 checkpoint into one engine.load_checkpoint resumes",
+                              description="Convert a DeepSpeed ZeRO-1/2/3 checkpoint (fp32 masters, Adam moments, "
+                              "steps, scheduler, client state) once into an hf_zero checkpoint that "
+                              "engine.load_checkpoint(OUT_DIR) resumes at any world size and stage. The files are "
+                              "read with torch.load(weights_only=True) and an allow-list of DeepSpeed's classes.")
+    imported.add_argument("ds_dir", help="DeepSpeed's save directory (uses its 'latest') or one global_step folder")
+    imported.add_argument("out_dir", help="where to write the hf_zero checkpoint (OUT_DIR/<tag> and OUT_DIR/latest)")
+    imported.add_argument("--tag", default=None, help="the DeepSpeed tag (None: the one 'latest' names)")
+    imported.add_argument("--optimizer-class", choices=["ZeroAdam", "AdamW", "Adam"], default="ZeroAdam",
+                          help="ZeroAdam for the config's Adam/AdamW; AdamW or Adam for a torch optimizer passed to "
+                          "hf_zero.initialize (the Trainer's)")
+    imported.add_argument("--model", default=None, metavar="MODEL",
+                          help="a model folder or hub id (its config.json): checks names and shapes and records the "
+                          "model, so that hf-zero export can write a Hugging Face folder from the result")
+    imported.set_defaults(func=_import_deepspeed)
     estimate = sub.add_parser("estimate", formatter_class=_FORMATTER,
                               help="per-rank memory for model states under ZeRO stages 1-3 and offload",
                               description="Per-rank bytes of parameters, gradients, fp32 master and Adam state "

@@ -21,6 +21,8 @@ import collections
 import importlib.util
 import os
 import shutil
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -140,6 +142,26 @@ def test_an_import_exports_to_a_hugging_face_folder(runs, tmp_path):
     reference = torch.load(os.path.join(runs["root"], "ds_s2_gpt2.reference.pt"), weights_only=True)
     for name, param in model.named_parameters():
         assert torch.equal(param.detach(), reference[f"{name}/param"]), name
+
+
+def test_the_cli_converts_as_the_call_does(runs, tmp_path):
+    """hf-zero import-deepspeed DS_DIR OUT_DIR --model FOLDER writes what the Python call writes."""
+    from safetensors.torch import load_file
+
+    from hf_zero.checkpoint import export_hf_model
+
+    BUILDERS[D.DS_RUNS["ds_s2_gpt2"]["model"]](seed=1).save_pretrained(str(tmp_path / "model"))
+    done = subprocess.run([sys.executable, "-m", "hf_zero.cli", "import-deepspeed", os.path.join(runs["root"], "ds_s2_gpt2"),
+                           str(tmp_path / "cli"), "--model", str(tmp_path / "model")], capture_output=True, text=True)
+    assert done.returncode == 0 and "engine.load_checkpoint(" in done.stdout, done.stderr
+    exported = [export_hf_model(source, str(tmp_path / name))
+                for source, name in ((str(tmp_path / "cli"), "from_cli"), (runs["written"]["ds_s2_gpt2"], "from_call"))]
+    cli, call = (load_file(os.path.join(folder, "model.safetensors")) for folder in exported)
+    assert cli.keys() == call.keys() and all(torch.equal(cli[k], call[k]) for k in call)
+    failed = subprocess.run([sys.executable, "-m", "hf_zero.cli", "import-deepspeed", str(tmp_path / "missing"),
+                             str(tmp_path / "never")], capture_output=True, text=True)
+    assert failed.returncode == 1 and "no such DeepSpeed checkpoint" in failed.stderr and "Traceback" not in failed.stderr
+    assert not (tmp_path / "never").exists()
 
 
 def test_loaded_parameters_are_deepspeeds_masters(runs):

@@ -748,6 +748,7 @@ def refuse_deepspeed_checkpoint(engine: EngineState, load_dir: str | os.PathLike
     raise CheckpointError(
         f"{os.fspath(load_dir)} is a DeepSpeed ZeRO checkpoint, not an hf_zero one. Convert it once, on one "
         f"process: hf_zero.checkpoint.import_deepspeed_checkpoint({os.fspath(load_dir)!r}, OUT_DIR, model=model"
-        f"{extra}); then engine.load_checkpoint(OUT_DIR) resumes it at any world size and stage "
+        f"{extra}) (or `hf-zero import-deepspeed {os.fspath(load_dir)} OUT_DIR --model MODEL_DIR`); then "
+        "engine.load_checkpoint(OUT_DIR) resumes it at any world size and stage "
         "(docs/checkpoints.md, 'Resuming a DeepSpeed checkpoint')"
     )
