@@ -37,7 +37,8 @@ def run_process_tree(cmd: list[str], *, timeout: float, **popen_kwargs: Any) -> 
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
-def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out_dir: str) -> None:
+def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out_dir: str,
+           skip_teardown: bool = False) -> None:
     import torch
 
     os.environ.update(
@@ -59,14 +60,19 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out
 
         if dist.is_initialized():
             dist.destroy_process_group()
+    if skip_teardown:  # the result is written: leave before the interpreter's teardown
+        os._exit(0)
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any) -> list[Any]:
-    """``fn(*args)`` on every rank; returns each rank's JSON-serialisable result."""
+def run_distributed(fn: Callable, world_size: int, *args: Any, skip_teardown: bool = False) -> list[Any]:
+    """``fn(*args)`` on every rank; returns each rank's JSON-serialisable result.
+    ``skip_teardown``: each rank exits with ``os._exit`` once its result is written, for a library
+    whose threads abort the interpreter's teardown (DeepSpeed's: "terminate called without an
+    active exception"); hf_zero's own runs never use it, so their exits stay tested."""
     with tempfile.TemporaryDirectory() as out_dir:
         try:
             mp.start_processes(
-                _entry, args=(world_size, free_port(), fn, args, out_dir),
+                _entry, args=(world_size, free_port(), fn, args, out_dir, skip_teardown),
                 nprocs=world_size, join=True, start_method="spawn",
             )
         except Exception as exc:  # report the rank's own traceback, not the spawn wrapper's
