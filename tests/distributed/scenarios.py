@@ -74,6 +74,20 @@ def model_loss(model: torch.nn.Module, kind: str, ids: torch.Tensor) -> torch.Te
     return model(input_ids=ids, labels=ids).loss
 
 
+def stage3_llama_after_a_step() -> Any:
+    """A stage-3 Llama engine after one step with nothing kept gathered: every parameter of a
+    non-root unit is sharded (what reads outside the forward meet)."""
+    import hf_zero
+
+    sc = scenario("llama", 3)
+    config = make_config(sc)
+    config["zero_optimization"]["stage3_max_reuse_distance"] = 0  # nothing kept after forward
+    engine, _, _, _ = hf_zero.initialize(model=build_model(sc), config=config)
+    engine.backward(model_loss(engine, "llama", torch.randint(0, 97, (2, 12))))
+    engine.step()
+    return engine
+
+
 def build_model(sc: dict[str, Any]) -> torch.nn.Module:
     model = SCENARIO_BUILDERS[sc["model"]](seed=0)
     if sc["freeze"]:

@@ -20,13 +20,8 @@ import copy, json, torch
 import hf_zero
 from tests.distributed import scenarios as S
 
-sc = S.scenario("llama", 3)
-config = S.make_config(sc)
-config["zero_optimization"]["stage3_max_reuse_distance"] = 0  # nothing kept after forward
-engine, _, _, _ = hf_zero.initialize(model=S.build_model(sc), config=config)
+engine = S.stage3_llama_after_a_step()
 ids = torch.randint(0, 97, (2, 12))
-engine.backward(S.model_loss(engine, "llama", ids))
-engine.step()
 head = engine.module.lm_head.weight
 kept = head.data  # held across the gather below
 reads = {

@@ -44,14 +44,13 @@ from typing import Any
 import torch
 
 from hf_zero.checkpoint.errors import CheckpointError, CheckpointNotFoundError
+from hf_zero.checkpoint.manifest import LATEST_NAME, read_latest
 from hf_zero.checkpoint.paths import is_plain_name, resolve_inside
 from hf_zero.checkpoint.safetensors_io import DTYPE_TAGS
 
-LATEST_NAME = "latest"
 MODEL_STATES = "mp_rank_00_model_states.pt"  # stages 0-2: one file for every rank
 STAGE3_MODEL_STATES = "zero_pp_rank_{rank}_mp_rank_00_model_states.pt"  # stage 3: one per rank
 OPTIM_STATES = "{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"  # prefix "" or "bf16_"
-_LATEST_BYTES = 4096
 _MAX_PICKLE_BYTES = 1 << 30  # the pickle holds structure, not tensor data; DeepSpeed's is a few KB
 
 
@@ -179,20 +178,6 @@ class DeepSpeedFolder:
     stage3: bool
 
 
-def _read_latest(ds_dir: str, root: str) -> str | None:
-    path = os.path.join(ds_dir, LATEST_NAME)
-    if not os.path.isfile(resolve_inside(root, LATEST_NAME, path)):
-        return None
-    with open(path, "rb") as handle:
-        raw = handle.read(_LATEST_BYTES + 1)
-    tag = raw.decode("utf-8", errors="replace").strip()
-    if len(raw) > _LATEST_BYTES or tag == LATEST_NAME or not is_plain_name(tag):
-        raise CheckpointError(f"{path}: holds {tag[:80]!r}, which is not a tag name (a folder name of letters, "
-                              "digits and _ . + = @ -; no '/', no '..'); pass tag=... naming a folder of "
-                              f"{ds_dir}")
-    return tag
-
-
 def _holds_model_states(folder: str, root: str) -> bool:
     return any(os.path.isfile(resolve_inside(root, name, os.path.join(folder, name)))
                for name in (MODEL_STATES, STAGE3_MODEL_STATES.format(rank=0)))
@@ -207,7 +192,7 @@ def deepspeed_tag_dir(ds_dir: str | os.PathLike[str], tag: str | None) -> tuple[
         raise CheckpointNotFoundError(f"{ds_dir}: no such DeepSpeed checkpoint directory")
     root = os.path.realpath(ds_dir)
     if tag is None:
-        tag = _read_latest(ds_dir, root)
+        tag = read_latest(ds_dir, root)  # the rule of hf_zero's own 'latest'
         if tag is None:
             if _holds_model_states(ds_dir, root):
                 return ds_dir, os.path.basename(ds_dir)

@@ -355,7 +355,7 @@ def _tags_note(save_dir: str) -> str:
     return f"checkpoints present: {', '.join(tags)}" if tags else "no complete checkpoint is present"
 
 
-def _read_latest(load_dir: str, root: str) -> str | None:
+def read_latest(load_dir: str, root: str) -> str | None:
     """The tag ``load_dir/latest`` names; None when there is no ``latest``. Its content must be
     a tag name and nothing else (see [Note: confined paths])."""
     latest = os.path.join(load_dir, LATEST_NAME)
@@ -388,7 +388,7 @@ def resolve_checkpoint_dir(load_dir: str | os.PathLike[str], tag: str | None) ->
         raise CheckpointNotFoundError(f"{load_dir}: no such checkpoint directory")
     root = os.path.realpath(load_dir)
     if tag is None:
-        tag = _read_latest(load_dir, root)
+        tag = read_latest(load_dir, root)
         if tag is None:
             if os.path.isfile(resolve_inside(root, MANIFEST_NAME, os.path.join(load_dir, MANIFEST_NAME))):
                 return load_dir
