@@ -10,14 +10,19 @@
 #   largest     (c) bench_one_gpu.py --largest: the largest Llama (7B, 3B, 1.1B tried in that order)
 #               that trains on this GPU with offload_optimizer cpu, its tokens/s and its ratio to the
 #               compute-only step (a 7B needs ~14 GB of GPU and ~112 GB of host memory).
+#   suite       (not in the default list) the CUDA test suite, from the repository root.
 # Usage: benchmarks/gpu.sh [SECTION ...] [-- extra bench_engines.py arguments]
-#   benchmarks/gpu.sh                       # all four
+#   benchmarks/gpu.sh                       # all four benchmarks
+#   benchmarks/gpu.sh suite kernels fake_world engines -- --sizes small,medium --engines hf_zero,torch
+#                                           # the suite and three benchmarks in about 6 minutes on an H200
 #   benchmarks/gpu.sh kernels fake_world    # (a) and (b) only
 #   benchmarks/gpu.sh engines -- --peak-tflops 989 --repeats 2 --compile inductor
-# The CUDA test suite is separate: python -m pytest -q tests/distributed/test_cuda_engine.py
-#   tests/distributed/test_cuda_execution.py tests/kernels/test_cuda.py tests/distributed/test_fake_world.py
+# It runs from a checkout without an install (a GPU image with its own torch): hf_zero comes from
+# src/, and compat/ makes torch's fake process group behave as in 2.13 on an older torch.
 set -uo pipefail
 cd "$(dirname "$0")"
+repo=$(dirname "$PWD")
+export PYTHONPATH="$PWD/compat:$repo/src:$repo${PYTHONPATH:+:$PYTHONPATH}"
 python -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else "benchmarks/gpu.sh needs a CUDA device")' || exit 1
 
 sections=()
@@ -48,9 +53,11 @@ for section in "${sections[@]}"; do
         fake_world)
             run fake_world_rank5 python bench_one_gpu.py --model llama-1b --world 8 --rank 5
             run fake_world_rank0 python bench_one_gpu.py --model llama-1b --world 8 --rank 0 ;;
+        suite) suite_files=$(cd "$repo" && python -c 'from tests.cuda_suite import CUDA_SUITE_FILES; print(*CUDA_SUITE_FILES)')
+               cd "$repo"; run suite python -m pytest -q $suite_files; cd "$repo/benchmarks" ;;
         largest) run largest python bench_one_gpu.py --model llama-7b,llama-3b,llama-1b --largest --world 1 \
                      --offload-optimizer cpu --steps 5 --warmup 2 ;;
-        *) echo "unknown section $section (engines, kernels, fake_world, largest)"; failed+=("$section") ;;
+        *) echo "unknown section $section (suite, engines, kernels, fake_world, largest)"; failed+=("$section") ;;
     esac
 done
 if [[ ${#failed[@]} -gt 0 ]]; then

@@ -82,7 +82,8 @@ def train(runner: Runner, workload: Workload, batches: list[torch.Tensor], devic
         end = time.perf_counter()
         out["comm"].append(_comm_entry(COUNTER.snapshot()))
         engine_comm = runner.engine_comm_stats()
-        out["engine_comm"].append(engine_comm and _comm_entry(engine_comm))
+        # An engine that issued no collective (world size 1) counts zero bytes, not "not counted".
+        out["engine_comm"].append(None if engine_comm is None else _comm_entry(engine_comm))
         out["fwd_bwd_s"].append(fwd_bwd_end - start)
         out["opt_s"].append(end - opt_start)
         out["loss"].append(float(loss.float().item()))

@@ -82,7 +82,7 @@ def to_host(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
     registered host tensor), page-locked when asked and a GPU exists to make pinning useful."""
     if is_host_store(tensor):
         return tensor
-    host = tensor if tensor.device.type == "cpu" else to_host_copy(tensor)
+    host = tensor if tensor.device.type == "cpu" else to_host_copy(tensor, pin)
     if pin and torch.cuda.is_available() and not host.is_pinned():
         host = host.pin_memory()
     elif host is tensor:

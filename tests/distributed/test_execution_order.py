@@ -174,6 +174,33 @@ def test_an_unbound_thread_launching_device_work_is_refused() -> None:
     assert len(errors) == 1 and "bound to no device" in str(errors[0])
 
 
+@pytest.mark.parametrize("index_offset, refused", [(0, False), (1, True)])
+def test_a_thread_bound_to_the_ranks_gpu_may_compute_on_the_cpu(index_offset: int, refused: bool) -> None:
+    """The offloaded optimizer step runs CPU kernels on a worker bound to the rank's GPU (found on
+    an H200: the check compared the device type too and refused every NVMe/CPU-offload step). A
+    binding to another GPU index is still refused. The GPU binding is recorded as bind_device
+    records it; torch.cuda.set_device itself needs a GPU."""
+    from hf_zero.execution import WrongDeviceError, check_launch, checking
+    from hf_zero.execution import device as execution_device
+
+    outcome: list[BaseException | None] = []
+
+    def worker() -> None:
+        execution_device._thread.binding = execution_device.Binding(
+            "cuda", execution_device.local_rank() + index_offset)
+        try:
+            check_launch(torch.zeros(1), "fused_adam_", strict=True)
+            outcome.append(None)
+        except WrongDeviceError as exc:
+            outcome.append(exc)
+
+    with checking(True):
+        thread = threading.Thread(target=worker, name="hf_zero-offload-step_0")
+        thread.start()
+        thread.join()
+    assert len(outcome) == 1 and (outcome[0] is not None) == refused, outcome
+
+
 def _overlapped_step_on_bound_worker(sc: dict[str, Any]) -> dict[str, Any]:
     import hf_zero
     from hf_zero.transfer import is_host_store

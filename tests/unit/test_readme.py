@@ -56,5 +56,5 @@ def test_readme_front_page_has_contents_and_the_caveats_up_front():
     text = README.read_text()
     heads = [line[3:] for line in text.splitlines() if line.startswith("## ")]
     assert heads[:3] == ["Contents", "Quick start", "Not supported yet"]
-    assert "has not been run on a GPU" in text.split("## How hf_zero compares")[0]
+    assert "no run of two or more GPUs yet" in text.split("## How hf_zero compares")[0]
     assert len(text.splitlines()) < 450
