@@ -21,7 +21,8 @@ quantization, ``from_tf=True``, a checkpoint lacking some weights...) loads the 
 every rank, with a WARNING on every rank naming the reason; ``initialize`` then shards it.
 
 A model loaded this way and never given to an engine is still a normal model: see
-[Note: materialising on first use] in hf_zero.engine.deferred_load.
+[Note: materialising on first use] in hf_zero.engine.deferred_load. PEFT adapters added to it
+keep the values PEFT drew for them: see [Note: adapters on a lazily loaded base].
 """
 
 from __future__ import annotations
@@ -115,7 +116,83 @@ def install() -> None:
 
     _from_config.__doc__ = original_from_config.__doc__
     PreTrainedModel._from_config = classmethod(_from_config)
+    _keep_new_adapter_values()
     _installed = True
+
+
+# [Note: adapters on a lazily loaded base]
+# PEFT makes each adapter layer (``lora_A`` / ``lora_B``...) on the CPU, initialises it from the
+# global generator, then moves it to its base layer's device (the layer's
+# ``_move_adapter_to_device_of_base_layer``, then the tuner's ``_replace_module``). On a lazily
+# loaded base that device is meta, so the values were dropped and ``initialize`` drew new ones
+# (deferred_load.initialise_new_adapters), later in the generator's stream than PEFT drew them:
+# the same distribution as a plain load, other values, and a stage-3 LoRA run did not follow
+# DDP's curve. While a stage-3 config is alive, the values PEFT made for an adapter whose base
+# weight is on the meta device are kept when the layer moves it, and put back, in the base's
+# dtype, when the injection ends (``BaseTuner.inject_adapter``): the adapters are then real
+# tensors holding what a plain load holds, and ``initialize`` takes them as they are (rank 0's,
+# as DDP broadcasts them).
+_MADE_VALUES = "_hf_zero_made_adapter_values"
+
+
+def _keep_new_adapter_values() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("peft") is None:
+        return
+    from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
+
+    move, inject = BaseTunerLayer._move_adapter_to_device_of_base_layer, BaseTuner.inject_adapter
+
+    def _move_adapter_to_device_of_base_layer(self: Any, adapter_name: str, device: Any = None) -> None:
+        from hf_zero.config.live import live_zero3_config
+
+        if device is None and live_zero3_config() is not None:
+            _remember_values_before_meta(self, adapter_name)
+        return move(self, adapter_name, device)
+
+    def inject_adapter(self: Any, model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        result = inject(self, model, *args, **kwargs)
+        _restore_remembered_values(model)
+        return result
+
+    _move_adapter_to_device_of_base_layer.__doc__, inject_adapter.__doc__ = move.__doc__, inject.__doc__
+    BaseTunerLayer._move_adapter_to_device_of_base_layer = _move_adapter_to_device_of_base_layer
+    BaseTuner.inject_adapter = inject_adapter
+
+
+def _adapter_tensors(layer: Any, adapter_name: str) -> Iterator[tuple[tuple[str, str], torch.Tensor]]:
+    """((holder attribute, parameter name), tensor) of one adapter of a PEFT layer."""
+    for attr in (*layer.adapter_layer_names, *layer.other_param_names):
+        holder = getattr(layer, attr, None)
+        if isinstance(holder, torch.nn.ModuleDict) and adapter_name in holder:
+            for name, param in holder[adapter_name].named_parameters():
+                yield (attr, name), param
+        elif isinstance(holder, torch.nn.ParameterDict) and adapter_name in holder:
+            yield (attr, ""), holder[adapter_name]
+
+
+def _remember_values_before_meta(layer: Any, adapter_name: str) -> None:
+    """See [Note: adapters on a lazily loaded base]."""
+    base = layer.get_base_layer()
+    weight = getattr(base, "weight", None)
+    if not isinstance(weight, torch.Tensor) or not weight.is_meta:
+        return
+    made = layer.__dict__.setdefault(_MADE_VALUES, {})
+    for (attr, name), tensor in _adapter_tensors(layer, adapter_name):
+        if not tensor.is_meta:
+            made[(attr, adapter_name, name)] = tensor.detach().clone()
+
+
+def _restore_remembered_values(model: torch.nn.Module) -> None:
+    for layer in model.modules():
+        made = layer.__dict__.pop(_MADE_VALUES, None)
+        for (attr, adapter_name, name), value in (made or {}).items():
+            holder = getattr(layer, attr)[adapter_name]
+            param = holder.get_parameter(name) if name else holder
+            if param.is_meta:  # in place: whatever refers to the Parameter keeps it
+                real = torch.nn.Parameter(value.to(param.dtype), requires_grad=param.requires_grad)
+                torch.utils.swap_tensors(param, real)
 
 
 def plan_lazy_load(path: str, model_args: tuple, kwargs: dict[str, Any]) -> LazyPlan | str:
