@@ -1,5 +1,6 @@
 """The ``hf-zero`` command: ``demo`` (the main job), ``doctor``, ``check-config``, ``export``,
-``estimate`` and ``launch`` (``accelerate launch`` with an ``hf_zero:`` section in its yaml).
+``import-deepspeed``, ``export-dcp``, ``import-dcp``, ``estimate`` and ``launch`` (``accelerate
+launch`` with an ``hf_zero:`` section in its yaml).
 
 [Note: the command imports torch late] Building the parser, ``--version`` and ``check-config``
 import neither torch nor transformers (importing torch alone takes 1-20 s on a busy machine):
@@ -186,6 +187,75 @@ def _import_deepspeed(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
+def _export_dcp(args: argparse.Namespace, rest: list[str]) -> int:
+    from hf_zero.checkpoint import CheckpointError, export_dcp_checkpoint
+
+    try:
+        out = export_dcp_checkpoint(args.ckpt_dir, args.out_dir, tag=args.tag, allow_unverified=args.allow_unverified)
+    except (CheckpointError, ValueError, NotImplementedError) as error:
+        print(f"hf-zero export-dcp: {error}", file=sys.stderr)
+        return 1
+    print(f"exported {args.ckpt_dir} to {out}: load it in FSDP2 with dcp.load({{'model': model_sd, 'optim': "
+          "optim_sd}, checkpoint_id=...) of get_state_dict(model, optimizer), then set_state_dict "
+          "(docs/checkpoints.md, 'FSDP2 and DCP')")
+    return 0
+
+
+def _import_dcp(args: argparse.Namespace, rest: list[str]) -> int:
+    from hf_zero.checkpoint import CheckpointError, import_dcp_checkpoint
+    from hf_zero.estimator import meta_model
+
+    try:
+        model = meta_model(args.model)  # names, shapes and config: all the import checks and records
+    except (OSError, ValueError) as error:
+        print(f"hf-zero import-dcp: cannot build a model from {args.model!r}: {error}", file=sys.stderr)
+        return 1
+    try:
+        out = import_dcp_checkpoint(args.dcp_dir, args.out_dir, model=model, tag=args.tag,
+                                    optimizer_class=args.optimizer_class)
+    except (CheckpointError, ValueError, NotImplementedError) as error:
+        print(f"hf-zero import-dcp: {error}", file=sys.stderr)
+        return 1
+    print(f"converted {args.dcp_dir} to {out}: resume it with engine.load_checkpoint({args.out_dir!r}) at any "
+          "world size and stage")
+    return 0
+
+
+def _add_dcp(sub: argparse._SubParsersAction) -> None:
+    exported = sub.add_parser("export-dcp", formatter_class=_FORMATTER,
+                              help="write a checkpoint as a torch.distributed.checkpoint folder that FSDP2 loads",
+                              description="Write an hf_zero checkpoint (any stage, any world size) as a DCP folder "
+                              "{'model': ..., 'optim': ...} in the layout of get_state_dict(model, optimizer): FSDP2 "
+                              "loads it with dcp.load and set_state_dict and continues with torch.optim.AdamW "
+                              "(weights, exp_avg, exp_avg_sq, step counts, param-group hyperparameters).")
+    exported.add_argument("ckpt_dir",
+                          help="the save_checkpoint directory (uses its 'latest'), or one checkpoint directory")
+    exported.add_argument("out_dir", help="the DCP folder to write (new or empty)")
+    exported.add_argument("--tag", default=None, help="checkpoint tag (None: the one 'latest' names)")
+    exported.add_argument("--allow-unverified", action="store_true",
+                          help="export a checkpoint without per-tensor checksums (format 1)")
+    exported.set_defaults(func=_export_dcp)
+    imported = sub.add_parser("import-dcp", formatter_class=_FORMATTER,
+                              help="convert a DCP folder saved by FSDP2 into a checkpoint engine.load_checkpoint "
+                              "resumes",
+                              description="Convert a torch.distributed.checkpoint folder that an FSDP2 run saved as "
+                              "dcp.save({'model': model_sd, 'optim': optim_sd}) of get_state_dict(model, optimizer) "
+                              "with torch.optim.AdamW, at any world size, once into an hf_zero checkpoint that "
+                              "engine.load_checkpoint(OUT_DIR) resumes at any world size and stage. Nothing in the "
+                              "folder is unpickled but DCP's metadata classes and tensors.")
+    imported.add_argument("dcp_dir", help="the folder given to dcp.save as checkpoint_id")
+    imported.add_argument("out_dir", help="where to write the hf_zero checkpoint (OUT_DIR/<tag> and OUT_DIR/latest); "
+                          "it must not hold a checkpoint yet")
+    imported.add_argument("--model", required=True, metavar="MODEL",
+                          help="a model folder or hub id (its config.json): the names and shapes are checked against "
+                          "it and it is recorded, so that hf-zero export works on the result")
+    imported.add_argument("--tag", default=None, help="the tag to write (None: global_step<N>, N the step count)")
+    imported.add_argument("--optimizer-class", choices=["ZeroAdam", "AdamW", "Adam"], default="ZeroAdam",
+                          help="ZeroAdam for the config's Adam/AdamW; AdamW or Adam for a torch optimizer passed to "
+                          "hf_zero.initialize (the Trainer's)")
+    imported.set_defaults(func=_import_dcp)
+
+
 def _estimate(args: argparse.Namespace, rest: list[str]) -> int:
     from hf_zero.estimator import WorkingSettings, describe, estimate_model_states, format_table, meta_model
 
@@ -241,6 +311,7 @@ def _add_export_and_estimate(sub: argparse._SubParsersAction) -> None:
                           help="a model folder or hub id (its config.json): checks names and shapes and records the "
                           "model, so that hf-zero export can write a Hugging Face folder from the result")
     imported.set_defaults(func=_import_deepspeed)
+    _add_dcp(sub)
     estimate = sub.add_parser("estimate", formatter_class=_FORMATTER,
                               help="per-rank memory for model states under ZeRO stages 1-3 and offload",
                               description="Per-rank bytes of parameters, gradients, fp32 master and Adam state "

@@ -17,6 +17,8 @@ shown to catch a half-imported state).
 
 from __future__ import annotations
 
+import math
+
 import collections
 import importlib.util
 import os
@@ -66,7 +68,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def _max_diff(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) for x, y in zip(a, b, strict=True))
+    """The largest difference; inf when a loss is not finite (``max`` skips nan: nan < x is False)."""
+    diffs = [abs(x - y) for x, y in zip(a, b, strict=True)]
+    return max(diffs) if all(math.isfinite(d) for d in diffs) else math.inf
 
 
 def _resumes(runs: dict[str, Any], control: str | None = None) -> list[dict[str, Any]]:
