@@ -164,17 +164,25 @@ def _export(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
+def _meta_model_or_report(command: str, path: str) -> Any:
+    """The model at ``path`` on the meta device (names, shapes and config: all an import checks and
+    records), or None once the reason it cannot be built is printed."""
+    from hf_zero.estimator import meta_model
+
+    try:
+        return meta_model(path)
+    except (OSError, ValueError) as error:
+        print(f"hf-zero {command}: cannot build a model from {path!r}: {error}", file=sys.stderr)
+        return None
+
+
 def _import_deepspeed(args: argparse.Namespace, rest: list[str]) -> int:
     from hf_zero.checkpoint import CheckpointError, import_deepspeed_checkpoint
 
     model = None
     if args.model is not None:
-        from hf_zero.estimator import meta_model
-
-        try:
-            model = meta_model(args.model)  # names, shapes and config: all the import checks and records
-        except (OSError, ValueError) as error:
-            print(f"hf-zero import-deepspeed: cannot build a model from {args.model!r}: {error}", file=sys.stderr)
+        model = _meta_model_or_report("import-deepspeed", args.model)
+        if model is None:
             return 1
     try:
         out = import_deepspeed_checkpoint(args.ds_dir, args.out_dir, model=model, tag=args.tag,
@@ -203,12 +211,9 @@ def _export_dcp(args: argparse.Namespace, rest: list[str]) -> int:
 
 def _import_dcp(args: argparse.Namespace, rest: list[str]) -> int:
     from hf_zero.checkpoint import CheckpointError, import_dcp_checkpoint
-    from hf_zero.estimator import meta_model
 
-    try:
-        model = meta_model(args.model)  # names, shapes and config: all the import checks and records
-    except (OSError, ValueError) as error:
-        print(f"hf-zero import-dcp: cannot build a model from {args.model!r}: {error}", file=sys.stderr)
+    model = _meta_model_or_report("import-dcp", args.model)
+    if model is None:
         return 1
     try:
         out = import_dcp_checkpoint(args.dcp_dir, args.out_dir, model=model, tag=args.tag,
