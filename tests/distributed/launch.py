@@ -37,8 +37,24 @@ def run_process_tree(cmd: list[str], *, timeout: float, **popen_kwargs: Any) -> 
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
+# [Note: ranks from a forkserver]
+# Every rank is a fresh interpreter, as under torchrun, but importing torch in each one took about
+# 3 s of the 2 CPUs per spawn, tens of times per suite. The ranks therefore fork from a server
+# that has imported torch once (multiprocessing's forkserver; nothing else is preloaded, so
+# hf_zero, transformers and the test modules are imported fresh by each rank, after the
+# environment below is in place). A forked rank inherits the server's environment, fixed when
+# the server started, not the test's: the test's environment is passed and restored first thing,
+# so a variable a test sets (HF_ZERO_CHECK_ASYNC, TRITON_INTERPRET...) reaches its ranks as with
+# spawn. The working directory and sys.path are the test's too (multiprocessing sends both).
+_PRELOADED = ["torch"]
+mp.set_forkserver_preload(_PRELOADED)
+
+
 def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out_dir: str,
-           skip_teardown: bool = False) -> None:
+           skip_teardown: bool = False, environ: dict[str, str] | None = None) -> None:
+    if environ is not None:
+        os.environ.clear()
+        os.environ.update(environ)
     import torch
 
     os.environ.update(
@@ -72,8 +88,8 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, skip_teardown: bo
     with tempfile.TemporaryDirectory() as out_dir:
         try:
             mp.start_processes(
-                _entry, args=(world_size, free_port(), fn, args, out_dir, skip_teardown),
-                nprocs=world_size, join=True, start_method="spawn",
+                _entry, args=(world_size, free_port(), fn, args, out_dir, skip_teardown, dict(os.environ)),
+                nprocs=world_size, join=True, start_method="forkserver",
             )
         except Exception as exc:  # report the rank's own traceback, not the spawn wrapper's
             errors = []
