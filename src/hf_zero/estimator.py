@@ -22,8 +22,8 @@ stage         compute params              gradients         fp32 master       Ad
 (see [Note: master aliasing] in engine/flat_group.py). Ψ_p: stage-3 persistent parameters (at
 or under ``stage3_param_persistence_threshold`` elements each), kept whole on every rank.
 Every Ψ is padded: within a flat group each parameter starts at a multiple of 8 elements, and
-the group ends at a multiple of ``N x 8`` elements ([Note: alignment in flat buffers] in
-partition.py).
+the group ends at a multiple of ``N x 8`` elements, a stage-3 persistent group at a multiple of
+``N`` ([Note: alignment in flat buffers] in partition.py).
 
 So fp32 holds 16Ψ (stage 0), 4Ψ + 12Ψ/N (stages 1-2), 16Ψ/N (stage 3); bf16 holds 20Ψ,
 2Ψ + 16Ψ/N and 18Ψ/N. DeepSpeed's estimators assume 16-bit compute with a separate fp32 master
@@ -52,6 +52,7 @@ the device holds only the persistent parameters and the working set.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
@@ -59,6 +60,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
+from hf_zero.config.live import live_zero3_config
 from hf_zero.partition import ROOT_UNIT_NAME, build_flat_layout, is_persistent, plan_units
 
 COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -129,7 +131,7 @@ def group_stats(model: nn.Module, world_size: int, stage: int,
             kind = (param.requires_grad, is_persistent(param, stage, threshold))
             buckets.setdefault(kind, []).append((name, param))
         for (trainable, persistent), named in buckets.items():
-            layout = build_flat_layout(named, layout_world)
+            layout = build_flat_layout(named, layout_world, persistent=persistent)
             stats.append(GroupStats(spec.name, trainable, persistent, layout.numel, layout.padded_numel, layout_world))
     return stats
 
@@ -266,7 +268,9 @@ def meta_model(source: str | os.PathLike[str] | Mapping[str, Any]) -> nn.Module:
     classes = [getattr(transformers, name, None) for name in (getattr(config, "architectures", None) or [])]
     classes += [transformers.AutoModelForCausalLM, transformers.AutoModel]
     last_error: Exception | None = None
-    with torch.device("meta"):
+    # While a stage-3 config is alive, from_config builds on the meta device by itself (sharded
+    # initialisation), and inside a meta device context it would fail drawing its seed.
+    with contextlib.nullcontext() if live_zero3_config() is not None else torch.device("meta"):
         for cls in classes:
             if cls is None:
                 continue

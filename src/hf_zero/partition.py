@@ -44,8 +44,9 @@ logger = logging.getLogger("hf_zero")
 
 # [Note: alignment in flat buffers]
 # Every parameter view and every shard of a flat buffer starts on a 16-byte boundary, for every
-# compute dtype: cuBLAS picks its fast kernels, and inductor copies an input that is not 16-byte
-# aligned, while NCCL and the Triton kernels' aligned variant ([Note: aligned variant] in
+# compute dtype (the shards of stage-3 persistent groups where their length allows it, below):
+# cuBLAS picks its fast kernels, and inductor copies an input that is not 16-byte aligned, while
+# NCCL and the Triton kernels' aligned variant ([Note: aligned variant] in
 # kernels/triton_common.py) move 16 bytes at a time. The layout is a pure function of the model
 # and the world size (checkpoints record it), not of the dtype, so offsets are counted in
 # elements of the narrowest compute dtype: 8 elements are 16 bytes of bf16/fp16 and 32 bytes of
@@ -56,9 +57,22 @@ logger = logging.getLogger("hf_zero")
 # most 7 elements per parameter and 8 x world_size - 1 per group. Checkpoints saved with the
 # earlier layout (parameters back to back, padding to world_size x 4) still load: the loader
 # maps every slot by name ([Note: resharding by name] in checkpoint/reshard.py).
+#
+# Stage-3 persistent groups (parameters under stage3_param_persistence_threshold) are padded to a
+# multiple of world_size only (PERSISTENT_SHARD_ALIGNMENT). Their full buffer is what every rank
+# holds and computes with, for good, so its padding is paid on every rank; their shards, a few
+# elements per rank at scale, are read only by the optimizer step and the all-gather after it,
+# never by a forward. Padded to world_size x 8, a Llama layer's two 4096-element norms took
+# 32768 elements on each of 4096 ranks: 5% of a rank's fp32 states at Llama-3-8B shapes cut to 2
+# layers (9% at 32 layers), against at most world_size - 1 elements per group now (none at these
+# shapes). Their parameter views keep PARAM_ALIGNMENT; their shards are aligned where the length
+# allows it (8192 elements at world 1024 or less), else the kernels take their unaligned variant
+# ([Note: aligned variant] in kernels/triton_common.py) for those few elements. A checkpoint
+# moves between the two layouts as between any two (mapped by name).
 ALIGNMENT_BYTES = 16
 PARAM_ALIGNMENT = ALIGNMENT_BYTES // 2  # elements of the narrowest (2-byte) compute dtype
 SHARD_ALIGNMENT = ALIGNMENT_BYTES // 2
+PERSISTENT_SHARD_ALIGNMENT = 1  # stage-3 persistent groups: see above
 
 ROOT_UNIT_NAME = "<root>"
 
@@ -85,7 +99,7 @@ class FlatLayout:
 
     slots: tuple[ParamSlot, ...]
     numel: int  # sum of the parameters' numel: the real data
-    padded_numel: int  # the last parameter's end rounded up to a multiple of world_size * SHARD_ALIGNMENT
+    padded_numel: int  # the last parameter's end rounded up to a multiple of world_size * shard alignment
     world_size: int
 
     @property
@@ -121,10 +135,12 @@ def padded_length(numel: int, world_size: int, alignment: int | None = None) -> 
 
 
 def build_flat_layout(
-    named_params: Sequence[tuple[str, nn.Parameter]], world_size: int
+    named_params: Sequence[tuple[str, nn.Parameter]], world_size: int, persistent: bool = False
 ) -> FlatLayout:
     """Lay the parameters out in the given order, each at an offset that is a multiple of
-    ``PARAM_ALIGNMENT`` elements ([Note: alignment in flat buffers])."""
+    ``PARAM_ALIGNMENT`` elements, and pad the whole to a multiple of ``world_size`` times
+    ``SHARD_ALIGNMENT``, or ``PERSISTENT_SHARD_ALIGNMENT`` for a stage-3 persistent group
+    (``persistent``), see [Note: alignment in flat buffers]."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     slots: list[ParamSlot] = []
@@ -134,7 +150,8 @@ def build_flat_layout(
         slots.append(ParamSlot(name, tuple(param.shape), offset, param.numel()))
         end = offset + param.numel()
     numel = sum(slot.numel for slot in slots)
-    return FlatLayout(tuple(slots), numel, padded_length(end, world_size), world_size)
+    alignment = PERSISTENT_SHARD_ALIGNMENT if persistent else None
+    return FlatLayout(tuple(slots), numel, padded_length(end, world_size, alignment), world_size)
 
 
 @dataclass

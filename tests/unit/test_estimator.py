@@ -48,10 +48,11 @@ def test_hand_calculation_stage0_bf16_keeps_everything_whole():
 
 def test_persistent_parameters_stay_whole_under_stage3():
     # biases (10, 3 elements) are at or under the threshold: kept whole, in their own groups.
-    # Weights 100 -> 112 (a multiple of 2 x 8), shard 56, and 30 -> 32, shard 16; biases 10 and 3
-    # -> 16 each, shards of 8.
+    # Weights 100 -> 112 (a multiple of 2 x 8), shard 56, and 30 -> 32, shard 16; biases, padded
+    # to a multiple of the world size only ([Note: alignment in flat buffers]): 10 -> 10, shards
+    # of 5, and 3 -> 4, shards of 2.
     mem = model_state_bytes(Toy(), world_size=2, stage=3, dtype="fp32", persistence_threshold=10)
-    weights_shard, bias_full, bias_shard = 3 * 56 + 16, 3 * 16 + 16, 3 * 8 + 8
+    weights_shard, bias_full, bias_shard = 3 * 56 + 16, 3 * 10 + 4, 3 * 5 + 2
     assert mem["compute_params"] == (weights_shard + bias_full) * 4
     assert mem["optimizer_state"] == (weights_shard + bias_shard) * 8
     kinds = {(g.unit, g.persistent) for g in group_stats(Toy(), 2, 3, persistence_threshold=10)}

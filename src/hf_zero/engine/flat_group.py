@@ -102,7 +102,8 @@ class FlatParamGroup:
         self.stage = stage
         self.params = [p for _, p in named_params]
         shard_world = 1 if stage == 0 else comm.world_size
-        self.layout: FlatLayout = build_flat_layout(named_params, shard_world)
+        persistent = stage == 3 and kind.persistent  # padded less: [Note: alignment in flat buffers]
+        self.layout: FlatLayout = build_flat_layout(named_params, shard_world, persistent)
         self.shards_params = stage == 3 and not kind.persistent
         lo, hi = self.shard_range
         lazy = source is not None and any(p.is_meta for p in self.params)

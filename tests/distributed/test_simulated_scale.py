@@ -1,0 +1,322 @@
+"""One rank of a simulated world of 8, 64, 512 and 4096 ranks, on real model shapes: torch's fake
+process group (``torch.testing._internal.distributed.fake_pg``: one process plays rank r of N and
+every collective completes at once without any other process) runs ``hf_zero.initialize`` on
+Llama-3-8B, Llama-3-70B and Mixtral-8x7B configs built with ``from_config`` under a live stage-3
+config, so loading is sharded ([Note: sharded initialisation] in hf_zero/engine/param_source.py).
+Layer counts are cut to one (the per-layer figures are what is checked; the vocabulary, hidden
+and expert sizes are the real ones), all in bf16.
+
+Checked, at every world size and for every model, as rank N - 1 (the rank whose shards hold the
+padded tails):
+- ``initialize`` completes and the peak resident memory it adds stays under this rank's states
+  plus the largest module's parameters (each module is materialised alone, then dropped);
+- this rank's states (``engine.memory_report()``) equal the estimator's stage-3 row for the same
+  config and world (``estimate_model_states``) within 1%: the categories ``initialize`` allocates
+  at every world, the whole row after one step of the 8B shape at world 64;
+- padding costs under 1% of the states ([Note: alignment in flat buffers] in partition.py);
+- initialization time, printed per rank, does not grow with the world size.
+One forward and backward of 16 tokens (values are meaningless: the fake reduce-scatter leaves this
+rank's chunk of its input) measures the peak memory above the states, printed beside the
+estimator's "+working" column, which is asserted only as the upper estimate it claims to be (the
+measured gap is recorded in docs/memory-estimator.md).
+
+Weights are filled with a constant instead of transformers' random draws: under the fake group
+values mean nothing, and the draws (about 5 s per 525M elements on a CI core) cost the same at
+every world size, so they would hide the world-size dependence this test looks for in CI's time
+budget. Each module is still materialised whole and filled, as the real initialisation does.
+
+All of it runs in one subprocess (the fake group must not meet the other tests, and importing
+torch and transformers once saves more than parallel worlds would on 2 cores), with late
+completion off: it measures memory and time. ``python -m tests.distributed.test_simulated_scale``
+prints the table of docs/memory-estimator.md."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.distributed.launch import run_process_tree
+
+WORLDS = (8, 64, 512, 4096)
+DTYPE = "bf16"
+PERSISTENCE_THRESHOLD = 100_000  # hf_zero's and DeepSpeed's default, passed to both sides
+# (model type, the published shape with its layers cut to one)
+MODELS: dict[str, dict[str, Any]] = {
+    "llama3-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                      num_hidden_layers=1, num_attention_heads=32, num_key_value_heads=8,
+                      tie_word_embeddings=False),
+    "llama3-70b": dict(model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+                       num_hidden_layers=1, num_attention_heads=64, num_key_value_heads=8,
+                       tie_word_embeddings=False),
+    "mixtral-8x7b": dict(model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=1, num_attention_heads=32, num_key_value_heads=8,
+                         num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=False),
+}
+# The one forward, backward and step (3-10 s on 2 busy cores). At world 4096 the fake all-gather
+# alone takes 10 s: it writes every gathered buffer as 4096 copies of this rank's shard.
+STEP_AT = ("llama3-8b", 64)
+STEP_TOKENS = 16
+STATES_RTOL = 0.01  # the issue's "within 1%"; the estimator lays out the same groups, so it is exact
+PADDING_LIMIT = 0.01  # padding per rank, as a fraction of the states
+# Initialization at 4096 against 8: a rank's work is its shards plus one module at a time, which
+# does not depend on N (8 is the slowest, with the largest shards). Twice, plus a second, in CPU
+# seconds of this process: the wall clock on 2 shared cores moved by 1.5x between runs.
+TIME_FACTOR, TIME_SLACK_S = 2.0, 1.0
+# Peak resident growth of initialize over (states + the largest module): allocator and
+# bookkeeping; measured within 4 MiB. Keeping every module real (a mutation run) went 860 MiB
+# past the bound at the 8B shape.
+INIT_PEAK_SLACK = 256 * 2**20
+RESULT_MARK = "SIMULATED_SCALE_RESULT "
+REPO = Path(__file__).resolve().parents[2]
+# Bytes per element of a bf16 rank's state (after a step): [Note: memory formulas] in estimator.py.
+COMPUTE_BYTES = 2
+SHARD_BYTES_TRAINABLE = 4 + 4 + 8  # fp32 gradient shard, fp32 master, Adam's two moments
+
+
+# ------------------------------------------------------------------ in the subprocess
+def _rss(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def _reset_peak() -> int:
+    """Restart VmHWM from the current resident size; returns that size."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _rss("VmRSS")
+
+
+def _fill_constant(module: Any) -> None:
+    """Stands in for ``_init_weights`` (see the module docstring): the module is real and whole."""
+    for param in module.parameters(recurse=False):
+        param.fill_(0.01)
+
+
+def _build(shape: dict[str, Any]) -> Any:
+    """``from_config`` under the live config: the model is on the meta device."""
+    import torch
+    import transformers
+
+    values = dict(shape)
+    config = transformers.AutoConfig.for_model(values.pop("model_type"), **values)
+    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
+    for module in model.modules():
+        if isinstance(module, transformers.PreTrainedModel):
+            module._init_weights = _fill_constant
+    return model
+
+
+def _largest_module_bytes(model: Any) -> int:
+    return max(sum(p.numel() * p.element_size() for p in m.parameters(recurse=False)) for m in model.modules())
+
+
+def _step(engine: Any) -> dict[str, Any]:
+    """One forward, backward and step of STEP_TOKENS tokens: peak resident growth over the states."""
+    import torch
+
+    ids = torch.arange(STEP_TOKENS).reshape(1, -1)
+    before = _reset_peak()
+    start = time.perf_counter()
+    loss = engine(input_ids=ids, labels=ids).loss
+    engine.backward(loss)
+    peak = _rss("VmHWM") - before
+    engine.step()
+    return {"peak_above_states": peak, "fwd_bwd_step_s": time.perf_counter() - start,
+            "memory": engine.memory_report()}
+
+
+def play(name: str, world: int) -> dict[str, Any]:
+    """Rank ``world - 1`` of a fake world: initialize (one step at STEP_AT) and what it holds."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import hf_zero
+    from hf_zero.estimator import estimate_model_states
+
+    rank = world - 1
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        live = hf_zero.HfZeroConfig({
+            "train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": PERSISTENCE_THRESHOLD}})
+        model = _build(MODELS[name])
+        largest_module = _largest_module_bytes(model)
+        gc.collect()
+        before = _reset_peak()
+        start, start_cpu = time.perf_counter(), time.process_time()
+        engine, *_ = hf_zero.initialize(model=model, config=live)
+        init_s, init_cpu_s = time.perf_counter() - start, time.process_time() - start_cpu
+        init_peak = _rss("VmHWM") - before
+        row = next(e for e in estimate_model_states(MODELS[name], num_gpus_per_node=world, dtype=DTYPE, stages=(3,),
+                                                    persistence_threshold=PERSISTENCE_THRESHOLD)
+                   if not e.offload_optimizer and not e.offload_param)
+        out = {"model": name, "world": world, "rank": engine.rank, "world_size": engine.world_size,
+               "numel": sum(g.layout.numel for u in engine.units for g in u.groups),
+               "init_s": init_s, "init_cpu_s": init_cpu_s, "init_peak": init_peak, "largest_module": largest_module,
+               "memory_at_init": engine.memory_report(), "layout": engine.layout(),
+               "estimate": {"breakdown": row.breakdown, "device": row.device_bytes, "working": row.working_bytes}}
+        if (name, world) == STEP_AT:
+            out["step"] = _step(engine)
+        del engine, model
+        gc.collect()
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+def _main() -> None:
+    results = []
+    for name in MODELS:
+        for world in WORLDS:
+            results.append(play(name, world))
+            print(f"{name} world {world}: initialize {results[-1]['init_s']:.2f} s "
+                  f"({results[-1]['init_cpu_s']:.2f} s CPU)", file=sys.stderr, flush=True)
+    print(RESULT_MARK + json.dumps(results), flush=True)
+    print(table(results))
+
+
+# ------------------------------------------------------------------ arithmetic on the results
+def states(memory: dict[str, int]) -> int:
+    return sum(memory[k] for k in ("compute_params", "gradients", "fp32_master", "optimizer_state"))
+
+
+def padding(layout: list[dict[str, Any]]) -> tuple[float, float]:
+    """(padded, unpadded) bytes of a bf16 rank's states after a step, from the engine's layout: a
+    persistent group's full buffer on every rank, every shard 1/N of its group."""
+    padded = unpadded = 0.0
+    for g in layout:
+        world = g["world_size"]
+        per_shard = SHARD_BYTES_TRAINABLE * g["trainable"] + COMPUTE_BYTES * (not g["persistent"])
+        full = COMPUTE_BYTES * g["persistent"]
+        padded += full * g["padded_numel"] + per_shard * g["padded_numel"] // world
+        unpadded += full * g["numel"] + per_shard * g["numel"] / world
+    return padded, unpadded
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    """The measured table of docs/memory-estimator.md (MiB = 2^20 bytes)."""
+    lines = ["| model (1 layer, bf16) | world | params + master at init: measured | estimator | "
+             "estimator's stage-3 row | padding in it | initialize | peak added by initialize |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        padded, unpadded = padding(r["layout"])
+        at_init = r["memory_at_init"]["compute_params"] + r["memory_at_init"]["fp32_master"]
+        estimate = r["estimate"]["breakdown"]["compute_params"] + r["estimate"]["breakdown"]["fp32_master"]
+        lines.append(f"| {r['model']} | {r['world']} | {at_init / 2**20:.2f} MiB | {estimate / 2**20:.2f} MiB | "
+                     f"{r['estimate']['device'] / 2**20:.2f} MiB | {(padded - unpadded) / 2**10:.1f} KiB "
+                     f"({100 * (padded - unpadded) / padded:.3f}%) | {r['init_s']:.2f} s "
+                     f"({r['init_cpu_s']:.2f} s CPU) | {r['init_peak'] / 2**20:.0f} MiB |")
+    for r in results:
+        if "step" in r:
+            step = r["step"]
+            lines.append(f"\n{r['model']} at world {r['world']}, after one step of {STEP_TOKENS} tokens: states "
+                         f"{states(step['memory']) / 2**20:.2f} MiB measured, {r['estimate']['device'] / 2**20:.2f} "
+                         f"MiB estimated; forward and backward peak {step['peak_above_states'] / 2**30:.2f} GiB "
+                         f"above the states, estimator's +working {r['estimate']['working'] / 2**30:.2f} GiB; "
+                         f"{step['fwd_bwd_step_s']:.1f} s.")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ the tests
+@pytest.fixture(scope="module")
+def played() -> dict[tuple[str, int], dict[str, Any]]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT", "LOCAL_WORLD_SIZE")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *sys.path])
+    env["CUDA_VISIBLE_DEVICES"] = ""  # the engine computes on a GPU whenever it sees one
+    env["HF_ZERO_CHECK_ASYNC"] = "0"  # measured: the checking mode writes every freed buffer
+    run = run_process_tree([sys.executable, "-m", "tests.distributed.test_simulated_scale"], timeout=600,
+                           env=env, cwd=REPO)
+    lines = [line for line in run.stdout.splitlines() if line.startswith(RESULT_MARK)]
+    assert run.returncode == 0 and lines, f"rc {run.returncode}\n{run.stdout[-4000:]}\n{run.stderr[-8000:]}"
+    results = json.loads(lines[-1][len(RESULT_MARK):])
+    print("\n" + table(results))
+    return {(r["model"], r["world"]): r for r in results}
+
+
+def test_persistent_groups_are_padded_to_a_multiple_of_the_world_size_only() -> None:
+    """[Note: alignment in flat buffers] by hand, no process group: a Llama-3-8B layer's two norms
+    (2 x 4096 elements) and a 100-element bias kept whole on every rank, against the same norms
+    sharded (each shard a multiple of 8 elements)."""
+    import torch
+    from torch import nn
+
+    from hf_zero.partition import build_flat_layout
+
+    norms = [(f"norm{i}", nn.Parameter(torch.empty(4096, device="meta"))) for i in range(2)]
+    bias = [("bias", nn.Parameter(torch.empty(100, device="meta")))]
+    persistent_norms = {8: 8192, 64: 8192, 512: 8192, 4096: 8192}
+    persistent_bias = {8: 104, 64: 128, 512: 512, 4096: 4096}
+    sharded_norms = {8: 8192, 64: 8192, 512: 8192, 4096: 32768}
+    for world in WORLDS:
+        assert build_flat_layout(norms, world, persistent=True).padded_numel == persistent_norms[world]
+        assert build_flat_layout(bias, world, persistent=True).padded_numel == persistent_bias[world]
+        assert build_flat_layout(norms, world).padded_numel == sharded_norms[world]
+
+
+def test_initialize_completes_as_the_last_rank_of_every_world(played) -> None:
+    assert set(played) == {(name, world) for name in MODELS for world in WORLDS}
+    for (name, world), r in played.items():
+        assert (r["world_size"], r["rank"]) == (world, world - 1), name
+        assert all(g["world_size"] == world for g in r["layout"]), name
+        assert r["numel"] == sum(g["numel"] for g in r["layout"])
+
+
+def test_model_states_equal_the_estimators_stage3_row(played) -> None:
+    for (name, world), r in played.items():
+        estimate, at_init = r["estimate"]["breakdown"], r["memory_at_init"]
+        # initialize allocates the compute shards (and persistent groups whole) and the fp32
+        # masters; gradient shards and moments come with the first step.
+        for category in ("compute_params", "fp32_master"):
+            assert at_init[category] == pytest.approx(estimate[category], rel=STATES_RTOL), (name, world, category)
+        assert at_init["gradients"] == 0 and at_init["optimizer_state"] == 0, (name, world)
+    stepped = played[STEP_AT]["step"]["memory"]
+    estimate = played[STEP_AT]["estimate"]
+    for category, value in estimate["breakdown"].items():
+        assert stepped[category] == pytest.approx(value, rel=STATES_RTOL), category
+    assert states(stepped) == pytest.approx(estimate["device"], rel=STATES_RTOL)
+
+
+def test_padding_costs_under_one_percent_of_the_states(played) -> None:
+    for (name, world), r in played.items():
+        padded, unpadded = padding(r["layout"])
+        assert padded == pytest.approx(r["estimate"]["device"], rel=STATES_RTOL), (name, world)
+        assert (padded - unpadded) / padded < PADDING_LIMIT, (name, world, padded - unpadded, padded)
+
+
+def test_initialization_time_does_not_grow_with_the_world_size(played) -> None:
+    for name in MODELS:
+        wall = {world: played[(name, world)]["init_s"] for world in WORLDS}
+        cpu = {world: played[(name, world)]["init_cpu_s"] for world in WORLDS}
+        print(f"{name}: initialize per rank "
+              + ", ".join(f"N={w} {wall[w]:.2f} s ({cpu[w]:.2f} s CPU)" for w in WORLDS))
+        assert cpu[WORLDS[-1]] <= TIME_FACTOR * cpu[WORLDS[0]] + TIME_SLACK_S, (name, cpu)
+
+
+def test_initialize_materialises_one_module_at_a_time(played) -> None:
+    for (name, world), r in played.items():
+        bound = states(r["memory_at_init"]) + r["largest_module"] + INIT_PEAK_SLACK
+        assert r["init_peak"] <= bound, (name, world, r["init_peak"] / 2**20, bound / 2**20)
+
+
+def test_a_forward_and_backward_stays_under_the_working_estimate(played) -> None:
+    step = played[STEP_AT]["step"]
+    working = played[STEP_AT]["estimate"]["working"]
+    print(f"{STEP_AT}: forward+backward of {STEP_TOKENS} tokens, peak above the states "
+          f"{step['peak_above_states'] / 2**30:.2f} GiB, estimator +working {working / 2**30:.2f} GiB "
+          f"({working / step['peak_above_states']:.2f}x), {step['fwd_bwd_step_s']:.1f} s")
+    # The column is documented as an upper estimate; tightening it to the measurement is issue 32's
+    # working-set part (the gap is in docs/memory-estimator.md).
+    assert 0 < step["peak_above_states"] <= working
+
+
+if __name__ == "__main__":
+    _main()
