@@ -273,7 +273,8 @@ def _estimate(args: argparse.Namespace, rest: list[str]) -> int:
     estimates = estimate_model_states(
         model, args.gpus_per_node, args.nodes, dtype=args.dtype, stages=args.stages,
         persistence_threshold=args.persistence_threshold,
-        working=WorkingSettings(args.reduce_bucket_size, args.max_reuse_distance, args.max_live_parameters),
+        working=WorkingSettings(args.reduce_bucket_size, args.max_reuse_distance, args.max_live_parameters,
+                                args.prefetch_bucket_size),
     )
     print(describe(model, world))
     print(f"model states per rank ({args.dtype} compute, fp32 master and Adam state; "
@@ -332,7 +333,8 @@ def _add_export_and_estimate(sub: argparse._SubParsersAction) -> None:
                           help="stage3_param_persistence_threshold (DeepSpeed's default)")
     for flag, default, key in (("--reduce-bucket-size", 500_000_000, "reduce_bucket_size"),
                                ("--max-reuse-distance", 1_000_000_000, "stage3_max_reuse_distance"),
-                               ("--max-live-parameters", 1_000_000_000, "stage3_max_live_parameters")):
+                               ("--max-live-parameters", 1_000_000_000, "stage3_max_live_parameters"),
+                               ("--prefetch-bucket-size", 50_000_000, "stage3_prefetch_bucket_size")):
         estimate.add_argument(flag, type=int, default=default,
                               help=f"{key}, for the working-memory column (DeepSpeed's default)")
     estimate.set_defaults(func=_estimate)

@@ -31,17 +31,37 @@ and count 2Ψ of 16-bit gradients in stages 1-2 (``4Ψ + 16Ψ/N``); hf_zero redu
 a fp32 shard and frees the full 16-bit buffer after each reduction, so that 2Ψ is working memory
 here, not a resident state, and with fp32 compute no master copy exists at all.
 
-Working memory (transient, on the device, an upper estimate not checked against a run), with
-B = ``reduce_bucket_size``, L_t the largest unit's trainable elements (the root unit, embeddings
-and heads, included) and b = min(Ψ_t, B + L_t) the largest gradient bucket:
-stage 1 holds the full gradients c Ψ_t until the accumulation boundary, plus their packed bucket
-c min(Ψ_t, B) (with 16-bit compute and gradient accumulation, also their fp32 sum, 4 Ψ_t, unless
-``data_types.grad_accum_dtype`` keeps the compute dtype); stages 2-3 hold the open bucket's full gradients, the packed bucket in flight and
-the unit being differentiated, c (2 b + L_t). Stage 3 also holds gathered parameters: with
-``stage3_max_reuse_distance`` > 0 (DeepSpeed's default keeps every unit gathered from forward to
-backward) up to everything gathered, c min(Ψ_g, M + L) with M = ``stage3_max_live_parameters``;
-with 0, the root unit and two units (the current one and the prefetched one), c (R + 2 U), where
-U is the largest unit and R the root unit.
+Working memory (transient, on the device, above the states), with B = ``reduce_bucket_size``,
+L_t the largest unit's trainable elements (the root unit, embeddings and heads, included) and
+b = min(Ψ_t, B + L_t) the largest gradient bucket: stage 1 holds the full gradients c Ψ_t until
+the accumulation boundary, plus their packed bucket c min(Ψ_t, B) (with 16-bit compute and
+gradient accumulation, also their fp32 sum, 4 Ψ_t, unless ``data_types.grad_accum_dtype`` keeps
+the compute dtype); stage 2 holds the open bucket's full gradients, the packed bucket in flight
+and the unit being differentiated, c (2 b + L_t). Stages 1-2 are upper estimates, not checked
+against a run.
+
+Stage 3 is measured (tests/distributed/test_simulated_scale.py, within 10%): see [Note: stage-3
+working memory].
+
+[Note: stage-3 working memory]
+Stage 3's figure is the engine's schedule ([Note: the unit protocol] and [Note: reuse distance]
+in engine/hooks.py) replayed on unit sizes, c bytes per element, and its peak taken over:
+- the forward: every gathered unit (the root for the whole forward, the unit running, the
+  prefetched ones, those kept for their backward by ``stage3_max_reuse_distance`` within
+  ``stage3_max_live_parameters``);
+- each unit's backward, the root first: what is still gathered (the unit itself unless it is a
+  plain ``nn.Embedding``, the prefetched next unit, the kept ones), plus every full gradient
+  buffer not yet reduced (the unit's own; each earlier unit's until its bucket's reduction
+  finishes, at most ``BUCKETS_IN_FLIGHT`` buckets in flight, and the root's for the whole
+  backward, because its bucket is the last of the fixed order), plus autograd's gradient of the
+  unit's largest parameter before it is added into its ``.grad`` view (an embedding's dense
+  backward makes one of the whole table).
+A group of ``IN_PLACE_NUMEL`` elements or more is a bucket of its own; smaller ones share
+buckets of B ([Note: buckets] in engine/buckets.py). Not counted: activations and logits (the
+test runs 16 tokens: together with the fp32 gradient shards the first step allocates, 0.3-1.4%
+of the peak), and host-side allocator slack. Reductions that finish at once (a fast network;
+the fake process group of the simulation) hold one bucket where the replay assumes the engine's
+bound of two: the same at the 1-layer shapes the test runs.
 
 Offload (the placements of DESIGN.md's offload section): ``offload_optimizer=cpu`` moves the fp32
 gradient shard, the fp32 master and the Adam state to the host, 16 Ψ_t / N bytes per rank
@@ -61,6 +81,8 @@ import torch
 from torch import nn
 
 from hf_zero.config.live import live_zero3_config
+from hf_zero.engine.buckets import IN_PLACE_NUMEL
+from hf_zero.engine.hooks import BUCKETS_IN_FLIGHT
 from hf_zero.partition import ROOT_UNIT_NAME, build_flat_layout, is_persistent, plan_units
 
 COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -79,6 +101,8 @@ class GroupStats:
     numel: int
     padded_numel: int
     world_size: int  # of the layout: 1 under stage 0
+    largest_param_numel: int = 0  # autograd makes this parameter's gradient whole before adding it in
+    backward_reads_params: bool = True  # of the unit: False for a plain nn.Embedding (engine/unit.py)
 
     @property
     def shard_numel(self) -> int:
@@ -126,13 +150,15 @@ def group_stats(model: nn.Module, world_size: int, stage: int,
     layout_world = 1 if stage == 0 else world_size
     stats = []
     for spec in plan_units(model, wrap_modules).units:
+        reads = not (isinstance(spec.module, nn.Embedding) and type(spec.module).forward is nn.Embedding.forward)
         buckets: dict[tuple[bool, bool], list[tuple[str, nn.Parameter]]] = {}
         for name, param in spec.params:
             kind = (param.requires_grad, is_persistent(param, stage, threshold))
             buckets.setdefault(kind, []).append((name, param))
         for (trainable, persistent), named in buckets.items():
             layout = build_flat_layout(named, layout_world, persistent=persistent)
-            stats.append(GroupStats(spec.name, trainable, persistent, layout.numel, layout.padded_numel, layout_world))
+            stats.append(GroupStats(spec.name, trainable, persistent, layout.numel, layout.padded_numel, layout_world,
+                                    max(p.numel() for _, p in named), reads))
     return stats
 
 
@@ -174,32 +200,151 @@ class WorkingSettings:
     reduce_bucket_size: int = 500_000_000
     stage3_max_reuse_distance: int = 1_000_000_000
     stage3_max_live_parameters: int = 1_000_000_000
+    stage3_prefetch_bucket_size: int = 50_000_000
+
+
+@dataclass
+class UnitSizes:
+    """One unit as the stage-3 schedule sees it, in elements."""
+
+    name: str
+    gathered: int  # sharded groups, padded: gathered and freed around use
+    grad_groups: list[int]  # trainable groups, padded, in the engine's order (non-persistent first)
+    largest_grad: int  # the largest trainable parameter
+    reads_params: bool  # its backward needs its parameters gathered
+
+    @property
+    def grads(self) -> int:
+        return sum(self.grad_groups)
+
+
+def unit_sizes(groups: list[GroupStats]) -> list[UnitSizes]:
+    """The units of ``group_stats`` in the engine's order (the root last)."""
+    units: dict[str, UnitSizes] = {}
+    for g in sorted(groups, key=lambda g: g.persistent):  # stable: units keep their order
+        u = units.setdefault(g.unit, UnitSizes(g.unit, 0, [], 0, g.backward_reads_params))
+        u.gathered += g.padded_numel * (not g.persistent)
+        if g.trainable:
+            u.grad_groups.append(g.padded_numel)
+            u.largest_grad = max(u.largest_grad, g.largest_param_numel)
+    order = [g.unit for g in groups]
+    return sorted(units.values(), key=lambda u: order.index(u.name))
+
+
+class Stage3Replay:
+    """[Note: stage-3 working memory]: the gathers, keeps and reductions of one stage-3 forward
+    and backward (engine/hooks.py), on sizes only; ``peak`` is the most elements held above the
+    states."""
+
+    def __init__(self, units: list[UnitSizes], settings: WorkingSettings) -> None:
+        self.root, self.order = units[-1], units[:-1]
+        self.settings = settings
+        self.after: dict[str, int] = {self.root.name: 0}  # gathered elements after a unit, forward order
+        for i, unit in enumerate(self.order):
+            self.after[unit.name] = sum(u.gathered for u in self.order[i + 1:])
+        self.gathered: dict[str, int] = {}
+        self.grads_held = 0  # full gradients not yet reduced, the in-flight buckets' included
+        self.peak = 0
+
+    def live(self) -> int:
+        return sum(self.gathered.values())
+
+    def gather(self, unit: UnitSizes) -> None:
+        if unit.gathered:
+            self.gathered[unit.name] = unit.gathered
+
+    def prefetch(self, order: list[UnitSizes], backward: bool) -> None:
+        """``UnitProtocol._prefetch``: the next unit always, more while the bucket holds them,
+        none past the live-parameter cap."""
+        budget, first, live = self.settings.stage3_prefetch_bucket_size, True, self.live()
+        if budget <= 0:
+            return
+        for unit in order:
+            if not unit.gathered or (backward and not unit.reads_params):
+                continue
+            budget -= unit.gathered
+            if (budget < 0 and not first) or live + unit.gathered > self.settings.stage3_max_live_parameters:
+                break
+            first = False
+            if unit.name not in self.gathered:
+                live += unit.gathered
+                self.gather(unit)
+
+    def keep_for_backward(self, unit: UnitSizes) -> bool:
+        """``UnitProtocol._keep_for_backward`` ([Note: reuse distance])."""
+        s = self.settings
+        return (s.stage3_max_reuse_distance > 0 and unit.gathered > 0 and unit.reads_params
+                and 2 * self.after[unit.name] < s.stage3_max_reuse_distance
+                and self.live() <= s.stage3_max_live_parameters)
+
+    def forward(self) -> None:
+        self.gather(self.root)
+        self.prefetch(self.order, backward=False)
+        for i, unit in enumerate(self.order):
+            self.gather(unit)
+            self.prefetch(self.order[i + 1:], backward=False)
+            self.peak = max(self.peak, self.live())
+            if not self.keep_for_backward(unit):
+                self.gathered.pop(unit.name, None)
+        if not self.keep_for_backward(self.root):
+            self.gathered.pop(self.root.name, None)
+
+    def backward(self) -> None:
+        """The root, then the units in reverse; a bucket is reduced once its units are done and
+        the buckets before it have gone, and its gradients are freed when its reduction finishes
+        (the oldest first once ``BUCKETS_IN_FLIGHT`` are out)."""
+        backward_order = self.order[::-1]
+        buckets = _buckets([(u.name, n) for u in backward_order + [self.root] for n in u.grad_groups],
+                           self.settings.reduce_bucket_size)
+        done: set[str] = set()
+        in_flight: list[int] = []  # elements of each bucket in flight
+        for i, unit in enumerate([self.root] + backward_order):
+            if unit.reads_params:
+                self.gather(unit)
+            self.prefetch(backward_order[i:], backward=True)  # the units after this one
+            self.grads_held += unit.grads
+            self.peak = max(self.peak, self.live() + self.grads_held + unit.largest_grad)
+            self.gathered.pop(unit.name, None)
+            done.add(unit.name)
+            while buckets and all(name in done for name, _ in buckets[0]):
+                while len(in_flight) >= BUCKETS_IN_FLIGHT:
+                    self.grads_held -= in_flight.pop(0)
+                in_flight.append(sum(n for _, n in buckets.pop(0)))
+
+
+def _buckets(groups: list[tuple[str, int]], bucket_numel: int) -> list[list[tuple[str, int]]]:
+    """``engine.buckets.split_buckets`` on (unit, padded numel) pairs."""
+    out: list[list[tuple[str, int]]] = []
+    open_bucket: list[tuple[str, int]] = []
+    for unit, numel in groups:
+        if numel >= IN_PLACE_NUMEL:
+            out.append([(unit, numel)])
+            continue
+        open_bucket.append((unit, numel))
+        if sum(n for _, n in open_bucket) >= bucket_numel:
+            out.append(open_bucket)
+            open_bucket = []
+    return out + ([open_bucket] if open_bucket else [])
 
 
 def _working_bytes(groups: list[GroupStats], stage: int, compute_bytes: int,
                    settings: WorkingSettings = WorkingSettings()) -> int:
     """Transient device bytes during forward/backward (see [Note: memory formulas])."""
-    units: dict[str, tuple[int, int]] = {}  # unit -> (trainable padded numel, gathered padded numel)
+    if stage == 3:
+        replay = Stage3Replay(unit_sizes(groups), settings)
+        replay.forward()
+        replay.backward()
+        return replay.peak * compute_bytes
+    units: dict[str, int] = {}  # unit -> trainable padded numel
     for g in groups:
-        trainable, gathered = units.get(g.unit, (0, 0))
-        units[g.unit] = (trainable + g.padded_numel * g.trainable, gathered + g.padded_numel * (not g.persistent))
-    total_trainable = sum(u[0] for u in units.values())
-    total_gathered = sum(u[1] for u in units.values())
-    root_gathered = units.get(ROOT_UNIT_NAME, (0, 0))[1]
-    largest_trainable = max((u[0] for u in units.values()), default=0)
-    largest_gathered = max((u[1] for name, u in units.items() if name != ROOT_UNIT_NAME), default=0)
+        units[g.unit] = units.get(g.unit, 0) + g.padded_numel * g.trainable
+    total_trainable = sum(units.values())
+    largest_trainable = max(units.values(), default=0)
     if stage == 1:
         return (total_trainable + min(total_trainable, settings.reduce_bucket_size)) * compute_bytes
-    bucket = min(total_trainable, settings.reduce_bucket_size + largest_trainable)
-    grads = (2 * bucket + largest_trainable) * compute_bytes
     if stage == 2:
-        return grads
-    if stage == 3:
-        if settings.stage3_max_reuse_distance > 0:
-            gathered = min(total_gathered, settings.stage3_max_live_parameters + max(largest_gathered, root_gathered))
-        else:
-            gathered = root_gathered + 2 * largest_gathered
-        return grads + gathered * compute_bytes
+        bucket = min(total_trainable, settings.reduce_bucket_size + largest_trainable)
+        return (2 * bucket + largest_trainable) * compute_bytes
     return 0
 
 

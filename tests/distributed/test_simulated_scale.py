@@ -16,9 +16,13 @@ padded tails):
 - padding costs under 1% of the states ([Note: alignment in flat buffers] in partition.py);
 - initialization time, printed per rank, does not grow with the world size.
 One forward and backward of 16 tokens (values are meaningless: the fake reduce-scatter leaves this
-rank's chunk of its input) measures the peak memory above the states, printed beside the
-estimator's "+working" column, which is asserted only as the upper estimate it claims to be (the
-measured gap is recorded in docs/memory-estimator.md).
+rank's chunk of its input) at world 64, for the 8B and the Mixtral shapes, measures the peak
+resident memory above the states: it equals the estimator's stage-3 "+working" column within 10%
+([Note: stage-3 working memory] in hf_zero/estimator.py). The two shapes peak in different places:
+the 8B one in the embedding's backward (the root's untied head gradient, the layer's gradients in
+flight, the embedding's gradient and its dense backward), Mixtral in the layer's backward (its
+fused experts' gradient made whole by autograd). The 70B step (27 s) runs with ``--step-every-model``
+only, for the table of docs/memory-estimator.md.
 
 Weights are filled with a constant instead of transformers' random draws: under the fake group
 values mean nothing, and the draws (about 5 s per 525M elements on a CI core) cost the same at
@@ -28,7 +32,7 @@ budget. Each module is still materialised whole and filled, as the real initiali
 All of it runs in one subprocess (the fake group must not meet the other tests, and importing
 torch and transformers once saves more than parallel worlds would on 2 cores), with late
 completion off: it measures memory and time. ``python -m tests.distributed.test_simulated_scale``
-prints the table of docs/memory-estimator.md."""
+prints the tables of docs/memory-estimator.md."""
 
 from __future__ import annotations
 
@@ -59,10 +63,19 @@ MODELS: dict[str, dict[str, Any]] = {
                          num_hidden_layers=1, num_attention_heads=32, num_key_value_heads=8,
                          num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=False),
 }
-# The one forward, backward and step (3-10 s on 2 busy cores). At world 4096 the fake all-gather
-# alone takes 10 s: it writes every gathered buffer as 4096 copies of this rank's shard.
-STEP_AT = ("llama3-8b", 64)
+# Forward, backward and step: 6-9 s for the 8B shape, 15 s for Mixtral, 27 s for 70B (run by
+# --step-every-model only) on 2 busy cores. At world 4096 the fake all-gather alone takes 10 s: it
+# writes every gathered buffer as 4096 copies of this rank's shard.
+STEPS = (("llama3-8b", 64), ("mixtral-8x7b", 64))
+EVERY_STEP = tuple((name, 64) for name in MODELS)
 STEP_TOKENS = 16
+# |estimate - measured| of the working set, as a fraction of the measurement: the issue's 10%.
+# Measured 0.1-1.2% (activations and the fp32 gradient shards the first step allocates are not in
+# the estimate). Dropping autograd's whole gradient of the largest parameter from the estimate
+# moved it 24-30%, and an engine that keeps each unit gathered until the end of the backward
+# measured 41% more; terms under 10% of a peak (Mixtral's root gradient, 3%) are pinned by the
+# hand calculations of tests/unit/test_estimator.py instead.
+WORKING_RTOL = 0.10
 STATES_RTOL = 0.01  # the issue's "within 1%"; the estimator lays out the same groups, so it is exact
 PADDING_LIMIT = 0.01  # padding per rank, as a fraction of the states
 # Initialization at 4096 against 8: a rank's work is its shards plus one module at a time, which
@@ -132,8 +145,8 @@ def _step(engine: Any) -> dict[str, Any]:
             "memory": engine.memory_report()}
 
 
-def play(name: str, world: int) -> dict[str, Any]:
-    """Rank ``world - 1`` of a fake world: initialize (one step at STEP_AT) and what it holds."""
+def play(name: str, world: int, steps: tuple[tuple[str, int], ...] = STEPS) -> dict[str, Any]:
+    """Rank ``world - 1`` of a fake world: initialize (one step at ``steps``) and what it holds."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -163,7 +176,7 @@ def play(name: str, world: int) -> dict[str, Any]:
                "init_s": init_s, "init_cpu_s": init_cpu_s, "init_peak": init_peak, "largest_module": largest_module,
                "memory_at_init": engine.memory_report(), "layout": engine.layout(),
                "estimate": {"breakdown": row.breakdown, "device": row.device_bytes, "working": row.working_bytes}}
-        if (name, world) == STEP_AT:
+        if (name, world) in steps:
             out["step"] = _step(engine)
         del engine, model
         gc.collect()
@@ -173,10 +186,11 @@ def play(name: str, world: int) -> dict[str, Any]:
 
 
 def _main() -> None:
+    steps = EVERY_STEP if "--step-every-model" in sys.argv else STEPS
     results = []
     for name in MODELS:
         for world in WORLDS:
-            results.append(play(name, world))
+            results.append(play(name, world, steps))
             print(f"{name} world {world}: initialize {results[-1]['init_s']:.2f} s "
                   f"({results[-1]['init_cpu_s']:.2f} s CPU)", file=sys.stderr, flush=True)
     print(RESULT_MARK + json.dumps(results), flush=True)
@@ -214,14 +228,16 @@ def table(results: list[dict[str, Any]]) -> str:
                      f"{r['estimate']['device'] / 2**20:.2f} MiB | {(padded - unpadded) / 2**10:.1f} KiB "
                      f"({100 * (padded - unpadded) / padded:.3f}%) | {r['init_s']:.2f} s "
                      f"({r['init_cpu_s']:.2f} s CPU) | {r['init_peak'] / 2**20:.0f} MiB |")
+    lines += ["", f"| model (1 layer, bf16) | world | states after one step: measured | estimated | "
+              f"forward+backward of {STEP_TOKENS} tokens: peak above the states | estimator's +working | "
+              "estimate / measured | fwd+bwd+step |", "|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "step" in r:
-            step = r["step"]
-            lines.append(f"\n{r['model']} at world {r['world']}, after one step of {STEP_TOKENS} tokens: states "
-                         f"{states(step['memory']) / 2**20:.2f} MiB measured, {r['estimate']['device'] / 2**20:.2f} "
-                         f"MiB estimated; forward and backward peak {step['peak_above_states'] / 2**30:.2f} GiB "
-                         f"above the states, estimator's +working {r['estimate']['working'] / 2**30:.2f} GiB; "
-                         f"{step['fwd_bwd_step_s']:.1f} s.")
+            step, working = r["step"], r["estimate"]["working"]
+            lines.append(f"| {r['model']} | {r['world']} | {states(step['memory']) / 2**20:.2f} MiB | "
+                         f"{r['estimate']['device'] / 2**20:.2f} MiB | {step['peak_above_states'] / 2**20:.0f} MiB | "
+                         f"{working / 2**20:.0f} MiB | {working / step['peak_above_states']:.3f} | "
+                         f"{step['fwd_bwd_step_s']:.1f} s |")
     return "\n".join(lines)
 
 
@@ -278,11 +294,12 @@ def test_model_states_equal_the_estimators_stage3_row(played) -> None:
         for category in ("compute_params", "fp32_master"):
             assert at_init[category] == pytest.approx(estimate[category], rel=STATES_RTOL), (name, world, category)
         assert at_init["gradients"] == 0 and at_init["optimizer_state"] == 0, (name, world)
-    stepped = played[STEP_AT]["step"]["memory"]
-    estimate = played[STEP_AT]["estimate"]
-    for category, value in estimate["breakdown"].items():
-        assert stepped[category] == pytest.approx(value, rel=STATES_RTOL), category
-    assert states(stepped) == pytest.approx(estimate["device"], rel=STATES_RTOL)
+    for at in STEPS:
+        stepped = played[at]["step"]["memory"]
+        estimate = played[at]["estimate"]
+        for category, value in estimate["breakdown"].items():
+            assert stepped[category] == pytest.approx(value, rel=STATES_RTOL), (at, category)
+        assert states(stepped) == pytest.approx(estimate["device"], rel=STATES_RTOL), at
 
 
 def test_padding_costs_under_one_percent_of_the_states(played) -> None:
@@ -307,15 +324,16 @@ def test_initialize_materialises_one_module_at_a_time(played) -> None:
         assert r["init_peak"] <= bound, (name, world, r["init_peak"] / 2**20, bound / 2**20)
 
 
-def test_a_forward_and_backward_stays_under_the_working_estimate(played) -> None:
-    step = played[STEP_AT]["step"]
-    working = played[STEP_AT]["estimate"]["working"]
-    print(f"{STEP_AT}: forward+backward of {STEP_TOKENS} tokens, peak above the states "
-          f"{step['peak_above_states'] / 2**30:.2f} GiB, estimator +working {working / 2**30:.2f} GiB "
-          f"({working / step['peak_above_states']:.2f}x), {step['fwd_bwd_step_s']:.1f} s")
-    # The column is documented as an upper estimate; tightening it to the measurement is issue 32's
-    # working-set part (the gap is in docs/memory-estimator.md).
-    assert 0 < step["peak_above_states"] <= working
+def test_a_forward_and_backward_peaks_at_the_working_estimate(played) -> None:
+    """[Note: stage-3 working memory] in estimator.py against the peak resident growth of a real
+    forward and backward over the states, within WORKING_RTOL of the measurement."""
+    for at in STEPS:
+        step = played[at]["step"]
+        measured, working = step["peak_above_states"], played[at]["estimate"]["working"]
+        print(f"{at}: forward+backward of {STEP_TOKENS} tokens, peak above the states {measured / 2**20:.0f} MiB, "
+              f"estimator +working {working / 2**20:.0f} MiB ({working / measured:.3f}x), "
+              f"{step['fwd_bwd_step_s']:.1f} s")
+        assert abs(working - measured) <= WORKING_RTOL * measured, (at, measured, working)
 
 
 if __name__ == "__main__":

@@ -87,24 +87,50 @@ def test_offload_moves_master_gradients_and_adam_state_to_the_host():
     assert opt.device_bytes == shard * 4 and opt.host_bytes == shard * 16
     assert both.device_bytes == 0 and both.host_bytes == shard * 20
     assert both.host_bytes_per_node == 2 * both.host_bytes
-    # Working set at DeepSpeed's defaults: one bucket holds every gradient (packed copy too) and
-    # the reuse distance keeps every unit gathered: (2 x 432 + 128) + 432 elements (3 units of 128
-    # and a root of 48, padded as in test_hand_calculation_stage3_fp32_world2).
-    assert none.working_bytes == (2 * 432 + 128 + 432) * 4
+    # Working set at DeepSpeed's defaults ([Note: stage-3 working memory]; 3 units of 128 and a
+    # root of 48, padded as in test_hand_calculation_stage3_fp32_world2): the forward gathers and
+    # keeps everything (432); one bucket holds every gradient until the end. The root's backward
+    # holds 432 gathered + its 48 gradients + its weight's 30 before they are added in; layer
+    # k's, the root and the layers after it freed: 128 (k + 1) gathered + 48 + 128 (3 - k)
+    # gradients + its weight's 100 = 660 for every k.
+    assert none.working_bytes == 660 * 4
+    assert opt.working_bytes == both.working_bytes == none.working_bytes
 
 
-def test_working_memory_follows_bucket_and_reuse_settings():
-    small = WorkingSettings(reduce_bucket_size=0, stage3_max_reuse_distance=0)
-    row = estimate_model_states(Toy(), num_gpus_per_node=2, dtype="fp32", stages=(3,), persistence_threshold=0,
-                                working=small)[0]
-    # one unit per bucket: open + packed in flight + the unit being differentiated; root + two
-    # units gathered
-    assert row.working_bytes == ((2 * 128 + 128) + (48 + 2 * 128)) * 4
-    capped = WorkingSettings(reduce_bucket_size=200, stage3_max_live_parameters=100)
-    row = estimate_model_states(Toy(), num_gpus_per_node=2, dtype="fp32", stages=(3,), persistence_threshold=0,
-                                working=capped)[0]
-    # bucket min(432, 200 + 128) = 328; gathered min(432, 100 + 128) = 228
-    assert row.working_bytes == ((2 * 328 + 128) + (100 + 128)) * 4
+def _stage3_working_numel(model: nn.Module, **settings: int) -> int:
+    row = estimate_model_states(model, num_gpus_per_node=2, dtype="fp32", stages=(3,), persistence_threshold=0,
+                                working=WorkingSettings(**settings))[0]
+    return row.working_bytes // 4
+
+
+def test_working_memory_follows_bucket_and_in_flight_settings():
+    """Four units of 128 (their weight 100) and a root of 48 (weight 30), nothing kept or
+    prefetched, so one unit is gathered at a time: layer k's backward holds 128 gathered, the
+    root's 48 gradients (its bucket is the last), the gradients of the layers after k still in
+    their buckets, its own 128 and its weight's 100 before they are added in."""
+    regather = dict(stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0)
+    # One bucket per group: at most two reductions in flight, so layer 0 holds layers 1 and 2
+    # (layer 3's finished when layer 1's went out): 128 + 48 + 2 x 128 + 128 + 100.
+    assert _stage3_working_numel(Toy(depth=4), reduce_bucket_size=0, **regather) == 660
+    # One bucket for all: every gradient stays until the end: 128 + 48 + 3 x 128 + 128 + 100.
+    assert _stage3_working_numel(Toy(depth=4), **regather) == 788
+
+
+class EmbeddingFirst(nn.Module):
+    """A plain nn.Embedding unit (64 x 8 = 512), a linear unit (64) and a root head (32)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Embedding(64, 8), nn.Linear(8, 8, bias=False)])
+        self.head = nn.Linear(8, 4, bias=False)
+
+
+def test_an_embeddings_backward_gathers_nothing_and_makes_its_gradient_whole():
+    # The forward gathers all three (608); the embedding is freed after its forward, the linear
+    # and the root kept. The root's backward holds 96 + 32 + 32, the linear's 64 + 96 + 64, the
+    # embedding's nothing gathered, the root's and the linear's gradients (one bucket), its own
+    # 512 and the dense backward's 512: 32 + 64 + 512 + 512.
+    assert _stage3_working_numel(EmbeddingFirst()) == 1120
 
 
 def test_stage1_and_2_rows_and_the_table():
