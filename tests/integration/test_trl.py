@@ -75,11 +75,11 @@ def trl_runs(model_dirs: dict[str, str], tmp_path_factory: pytest.TempPathFactor
     memory = lambda name: ("--memory_report", str(root / f"{name}-memory.json"))  # noqa: E731
     jobs = [job("sft-ddp", SFT, sft_data, None), job("dpo-ddp", DPO, dpo_data, None, *memory("dpo-ddp")),
             job("lora-ddp", SFT, sft_data, None, "--lora_r", "4"),
-            job("sft-z3", SFT, sft_data, 3), job("sft-z2", SFT, sft_data, 2),
+            job("sft-z3", SFT, sft_data, 3),
             job("dpo-z3", DPO, dpo_data, 3, *memory("dpo-z3")), job("lora-z2", SFT, sft_data, 2, "--lora_r", "4"),
             job("lora-z3", SFT, sft_data, 3, "--lora_r", "4"),
             job("grpo-ddp", GRPO, grpo_data, None), job("grpo-z3", GRPO, grpo_data, 3),
-            job("dpo-z2", DPO, dpo_data, 2), job("grpo-z2", GRPO, grpo_data, 2)]
+            job("grpo-z2", GRPO, grpo_data, 2)]
     plan = {"jobs": jobs, "out": str(root / "results.json")}
     (root / "plan.json").write_text(json.dumps(plan))
     run_launch(torchrun("-m", "tests.integration.trl_driver", str(root / "plan.json")))
@@ -97,7 +97,8 @@ def _close(got: list[float], expected: list[float], rel: float = 1e-5) -> bool:
     return len(got) == len(expected) and all(math.isclose(a, b, rel_tol=rel) for a, b in zip(got, expected))
 
 
-@pytest.mark.parametrize("name", ["sft-z3", "sft-z2", "dpo-z3", "dpo-z2", "lora-z2", "lora-z3", "grpo-z3", "grpo-z2"])
+# SFT and DPO at stage 2 run as TRL publishes them in test_trl_published_scripts.py.
+@pytest.mark.parametrize("name", ["sft-z3", "dpo-z3", "lora-z2", "lora-z3", "grpo-z3", "grpo-z2"])
 def test_trl_loss_curves_equal_ddp(trl_runs: dict[str, Any], name: str) -> None:
     zero, ddp = _ok(trl_runs, name), _ok(trl_runs, name.split("-")[0] + "-ddp")
     assert len(ddp["loss"]) == STEPS
