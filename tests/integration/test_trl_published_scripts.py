@@ -43,7 +43,7 @@ from tests.integration.conftest import (
     torchrun,
     write_config,
 )
-from tests.integration.test_trl import save_tiny_tokenizer, write_data
+from tests.integration.test_trl import check_adapter, save_tiny_tokenizer, write_data
 
 STEPS = 4
 LOSS_REL = 2e-6
@@ -133,24 +133,9 @@ def test_published_trl_script_saves_a_folder_plain_transformers_loads(published_
 
 @pytest.mark.parametrize("name", ["sft-z3-lora", "dpo-z2-lora", "dpo-z3-lora"])
 def test_published_trl_script_saves_the_lora_adapter_ddp_saves(published_runs: dict[str, Any], name: str) -> None:
-    from peft import PeftModel
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
-
     zero_dir = Path(_ok(published_runs, name)["output_dir"])
     ddp_dir = Path(_ok(published_runs, REFERENCES[name])["output_dir"])
-    zero, ddp = load_file(zero_dir / "adapter_model.safetensors"), load_file(ddp_dir / "adapter_model.safetensors")
-    assert set(zero) == set(ddp) and any("lora_B" in k for k in ddp)
-    for key, tensor in ddp.items():
-        torch.testing.assert_close(zero[key], tensor, rtol=1e-5, atol=1e-6, msg=key)
-    assert max(t.abs().max().item() for k, t in zero.items() if "lora_B" in k) > 1e-3  # lora_B starts at zero
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(published_runs["model"]), zero_dir)
-    ids = torch.arange(4, 14).unsqueeze(0)
-    with torch.no_grad():
-        adapted = model(input_ids=ids).logits
-        with model.disable_adapter():
-            base = model(input_ids=ids).logits
-    assert (adapted - base).abs().max() > 1e-4
+    check_adapter(zero_dir, ddp_dir, published_runs["model"], rtol=1e-5)
 
 
 def test_the_command_line_as_typed_runs_the_published_script(published_runs: dict[str, Any], tmp_path: Path) -> None:
