@@ -264,12 +264,19 @@ def _add_dcp(sub: argparse._SubParsersAction) -> None:
 def _estimate(args: argparse.Namespace, rest: list[str]) -> int:
     from hf_zero.estimator import WorkingSettings, describe, estimate_model_states, format_table, meta_model
 
+    world = args.gpus_per_node * args.nodes
+    if args.simulate_rank is not None and not args.simulate:
+        print("hf-zero estimate: --simulate-rank needs --simulate", file=sys.stderr)
+        return 2
+    if args.simulate_rank is not None and not 0 <= args.simulate_rank < world:
+        print(f"hf-zero estimate: --simulate-rank {args.simulate_rank}: expected a rank from 0 to {world - 1} "
+              f"(world {args.gpus_per_node} x {args.nodes} = {world}); leave it out for the last rank", file=sys.stderr)
+        return 2
     try:
         model = meta_model(args.model)
     except (OSError, ValueError) as error:
         print(f"hf-zero estimate: cannot build a model from {args.model!r}: {error}", file=sys.stderr)
         return 1
-    world = args.gpus_per_node * args.nodes
     estimates = estimate_model_states(
         model, args.gpus_per_node, args.nodes, dtype=args.dtype, stages=args.stages,
         persistence_threshold=args.persistence_threshold,
@@ -280,7 +287,76 @@ def _estimate(args: argparse.Namespace, rest: list[str]) -> int:
     print(f"model states per rank ({args.dtype} compute, fp32 master and Adam state; "
           "+working is transient memory during forward/backward):")
     print(format_table(estimates))
+    if not args.simulate:
+        return 0
+    row = estimate_model_states(model, args.gpus_per_node, args.nodes, dtype=args.dtype, stages=(3,),
+                                persistence_threshold=args.persistence_threshold,
+                                working=WorkingSettings(args.reduce_bucket_size, args.max_reuse_distance,
+                                                        args.max_live_parameters, args.prefetch_bucket_size))[0]
+    return _simulate(args, model, row)
+
+
+def _simulate(args: argparse.Namespace, model: Any, row: Any) -> int:
+    """``estimate --simulate``: [Note: simulated rank] in hf_zero/simulate.py, printed beside the
+    formula's stage-3 row."""
+    from hf_zero import simulate
+    from hf_zero.estimator import human_bytes
+
+    world = args.gpus_per_node * args.nodes
+    rank = world - 1 if args.simulate_rank is None else args.simulate_rank
+    largest = simulate.largest_module_bytes(model, row.compute_bytes)
+    need = simulate.INTERPRETER_BYTES + row.device_bytes + max(largest, row.working_bytes)
+    available = simulate.available_host_bytes()
+    print(f"\nsimulating rank {rank} of {world} on this machine's CPU with torch's fake process group: "
+          "collectives move nothing, so the values computed are meaningless; only memory and time are measured")
+    print(f"host memory needed: about {human_bytes(need)} (this rank's states {human_bytes(row.device_bytes)} + the larger of "
+          f"the largest module, materialised whole, {human_bytes(largest)} and +working {human_bytes(row.working_bytes)}, "
+          f"+ {human_bytes(simulate.INTERPRETER_BYTES)} for Python, torch and transformers); available: "
+          f"{'unknown' if available is None else human_bytes(available)}")
+    if available is not None and need > available:
+        print(f"hf-zero estimate: --simulate needs about {human_bytes(need)} of host memory and this machine has "
+              f"{human_bytes(available)} available: simulate a copy of the config with fewer num_hidden_layers (the "
+              "largest module and the per-layer figures stay the same), or run it on a machine with more memory",
+              file=sys.stderr)
+        return 1
+    spec = {"model": os.path.abspath(args.model) if os.path.exists(args.model) else args.model,
+            "rank": rank, "world": world, "dtype": args.dtype, "persistence_threshold": args.persistence_threshold,
+            "reduce_bucket_size": args.reduce_bucket_size, "max_reuse_distance": args.max_reuse_distance,
+            "max_live_parameters": args.max_live_parameters, "prefetch_bucket_size": args.prefetch_bucket_size,
+            "seq": args.seq, "micro_batch": args.micro_batch}
+    try:
+        result = simulate.run_rank_subprocess(spec, lambda line: print(f"  {line} ...", flush=True))
+    except RuntimeError as error:
+        print(f"hf-zero estimate: {error}", file=sys.stderr)
+        return 1
+    print(_simulated_table(result, row, simulate.state_bytes(result["memory"]),
+                           simulate.state_padding(result["layout"], row.compute_bytes)))
     return 0
+
+
+def _simulated_table(result: dict[str, Any], row: Any, states: int, padding: tuple[float, float]) -> str:
+    from hf_zero.estimator import human_bytes
+
+    measured_working = result["peak_above_states"]
+    padded, unpadded = padding
+    rows = [("stage 3, rank {} of {}".format(result["rank"], result["world_size"]), "measured", "formula",
+             "formula / measured"),
+            ("states", f"{human_bytes(states)} ({states} B)", f"{human_bytes(row.device_bytes)} ({row.device_bytes} B)",
+             f"{row.device_bytes / states:.3f}"),
+            ("+working", f"{human_bytes(measured_working)} ({measured_working} B)",
+             f"{human_bytes(row.working_bytes)} ({row.working_bytes} B)",
+             f"{row.working_bytes / measured_working:.3f}" if measured_working > 0 else "-")]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = [" | ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    lines += [f"padding in the states: {human_bytes(int(padded - unpadded))} "
+              f"({100 * (padded - unpadded) / padded if padded else 0:.3f}%)",
+              f"time: build {result['build_s']:.1f} s, initialize {result['init_s']:.1f} s (peak added "
+              f"{human_bytes(result['init_peak'])}), forward+backward+step {result['fwd_bwd_step_s']:.1f} s on this CPU",
+              "+working measured: the peak resident growth of the forward and backward over the states (activations "
+              "of this short sequence included); not measured: activations of long sequences, real network buffers, "
+              "CUDA allocator fragmentation"]
+    return "\n".join(lines)
 
 
 def _add_export_and_estimate(sub: argparse._SubParsersAction) -> None:
@@ -337,6 +413,15 @@ def _add_export_and_estimate(sub: argparse._SubParsersAction) -> None:
                                ("--prefetch-bucket-size", 50_000_000, "stage3_prefetch_bucket_size")):
         estimate.add_argument(flag, type=int, default=default,
                               help=f"{key}, for the working-memory column (DeepSpeed's default)")
+    estimate.add_argument("--simulate", action="store_true",
+                          help="also measure one rank of this world: build the model under a live stage-3 config, "
+                          "initialize and run one forward+backward+step on this CPU with torch's fake process group "
+                          "(values meaningless; memory and time measured), printed beside the stage-3 row")
+    estimate.add_argument("--simulate-rank", type=int, default=None,
+                          help="the rank --simulate plays, 0 to world - 1 (default: the last, whose shards hold the "
+                          "padded tails)")
+    estimate.add_argument("--seq", type=at_least(1), default=16, help="tokens per sequence of the --simulate step")
+    estimate.add_argument("--micro-batch", type=at_least(1), default=1, help="sequences in the --simulate step")
     estimate.set_defaults(func=_estimate)
 
 

@@ -397,8 +397,9 @@ def estimate_model_states(
     return estimates
 
 
-def meta_model(source: str | os.PathLike[str] | Mapping[str, Any]) -> nn.Module:
-    """A Hugging Face model built from its config on the meta device (shapes only)."""
+def meta_model(source: str | os.PathLike[str] | Mapping[str, Any], dtype: torch.dtype | None = None) -> nn.Module:
+    """A Hugging Face model built from its config on the meta device (shapes only), in ``dtype``
+    when given (else transformers' default)."""
     import transformers
     from transformers import AutoConfig
 
@@ -421,13 +422,13 @@ def meta_model(source: str | os.PathLike[str] | Mapping[str, Any]) -> nn.Module:
                 continue
             try:
                 build = cls.from_config if hasattr(cls, "from_config") else cls._from_config
-                return build(config)
+                return build(config) if dtype is None else build(config, dtype=dtype)
             except (ValueError, KeyError) as error:
                 last_error = error
     raise ValueError(f"no transformers model class builds config {type(config).__name__}: {last_error}")
 
 
-def _human(nbytes: int) -> str:
+def human_bytes(nbytes: int) -> str:
     for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if nbytes >= scale:
             return f"{nbytes / scale:.2f} {unit}"
@@ -457,8 +458,8 @@ def format_table(estimates: list[StateEstimate]) -> str:
               "+working", "host/rank", "host/node")
     rows = [header] + [
         (str(e.stage), "cpu" if e.offload_optimizer else "none", "cpu" if e.offload_param else "none",
-         _human(e.device_bytes), e.formula, e.paper_formula, _human(e.working_bytes), _human(e.host_bytes),
-         _human(e.host_bytes_per_node))
+         human_bytes(e.device_bytes), e.formula, e.paper_formula, human_bytes(e.working_bytes), human_bytes(e.host_bytes),
+         human_bytes(e.host_bytes_per_node))
         for e in estimates
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]

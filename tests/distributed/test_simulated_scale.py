@@ -46,6 +46,8 @@ from typing import Any
 
 import pytest
 
+from hf_zero.simulate import (largest_module_bytes, measure_step, rank_env, reset_peak, rss, skip_random_init,
+                              state_bytes, state_padding)
 from tests.distributed.launch import run_process_tree
 
 WORLDS = (8, 64, 512, 4096)
@@ -88,30 +90,10 @@ TIME_FACTOR, TIME_SLACK_S = 2.0, 1.0
 INIT_PEAK_SLACK = 256 * 2**20
 RESULT_MARK = "SIMULATED_SCALE_RESULT "
 REPO = Path(__file__).resolve().parents[2]
-# Bytes per element of a bf16 rank's state (after a step): [Note: memory formulas] in estimator.py.
-COMPUTE_BYTES = 2
-SHARD_BYTES_TRAINABLE = 4 + 4 + 8  # fp32 gradient shard, fp32 master, Adam's two moments
+COMPUTE_BYTES = 2  # bf16: [Note: memory formulas] in estimator.py
 
 
 # ------------------------------------------------------------------ in the subprocess
-def _rss(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
-
-
-def _reset_peak() -> int:
-    """Restart VmHWM from the current resident size; returns that size."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _rss("VmRSS")
-
-
-def _fill_constant(module: Any) -> None:
-    """Stands in for ``_init_weights`` (see the module docstring): the module is real and whole."""
-    for param in module.parameters(recurse=False):
-        param.fill_(0.01)
-
-
 def _build(shape: dict[str, Any]) -> Any:
     """``from_config`` under the live config: the model is on the meta device."""
     import torch
@@ -119,30 +101,14 @@ def _build(shape: dict[str, Any]) -> Any:
 
     values = dict(shape)
     config = transformers.AutoConfig.for_model(values.pop("model_type"), **values)
-    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
-    for module in model.modules():
-        if isinstance(module, transformers.PreTrainedModel):
-            module._init_weights = _fill_constant
-    return model
-
-
-def _largest_module_bytes(model: Any) -> int:
-    return max(sum(p.numel() * p.element_size() for p in m.parameters(recurse=False)) for m in model.modules())
+    return skip_random_init(transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16))
 
 
 def _step(engine: Any) -> dict[str, Any]:
     """One forward, backward and step of STEP_TOKENS tokens: peak resident growth over the states."""
     import torch
 
-    ids = torch.arange(STEP_TOKENS).reshape(1, -1)
-    before = _reset_peak()
-    start = time.perf_counter()
-    loss = engine(input_ids=ids, labels=ids).loss
-    engine.backward(loss)
-    peak = _rss("VmHWM") - before
-    engine.step()
-    return {"peak_above_states": peak, "fwd_bwd_step_s": time.perf_counter() - start,
-            "memory": engine.memory_report()}
+    return measure_step(engine, torch.arange(STEP_TOKENS).reshape(1, -1))
 
 
 def play(name: str, world: int, steps: tuple[tuple[str, int], ...] = STEPS) -> dict[str, Any]:
@@ -161,13 +127,13 @@ def play(name: str, world: int, steps: tuple[tuple[str, int], ...] = STEPS) -> d
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
             "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": PERSISTENCE_THRESHOLD}})
         model = _build(MODELS[name])
-        largest_module = _largest_module_bytes(model)
+        largest_module = largest_module_bytes(model, COMPUTE_BYTES)
         gc.collect()
-        before = _reset_peak()
+        before = reset_peak()
         start, start_cpu = time.perf_counter(), time.process_time()
         engine, *_ = hf_zero.initialize(model=model, config=live)
         init_s, init_cpu_s = time.perf_counter() - start, time.process_time() - start_cpu
-        init_peak = _rss("VmHWM") - before
+        init_peak = rss("VmHWM") - before
         row = next(e for e in estimate_model_states(MODELS[name], num_gpus_per_node=world, dtype=DTYPE, stages=(3,),
                                                     persistence_threshold=PERSISTENCE_THRESHOLD)
                    if not e.offload_optimizer and not e.offload_param)
@@ -199,20 +165,12 @@ def _main() -> None:
 
 # ------------------------------------------------------------------ arithmetic on the results
 def states(memory: dict[str, int]) -> int:
-    return sum(memory[k] for k in ("compute_params", "gradients", "fp32_master", "optimizer_state"))
+    return state_bytes(memory)
 
 
 def padding(layout: list[dict[str, Any]]) -> tuple[float, float]:
-    """(padded, unpadded) bytes of a bf16 rank's states after a step, from the engine's layout: a
-    persistent group's full buffer on every rank, every shard 1/N of its group."""
-    padded = unpadded = 0.0
-    for g in layout:
-        world = g["world_size"]
-        per_shard = SHARD_BYTES_TRAINABLE * g["trainable"] + COMPUTE_BYTES * (not g["persistent"])
-        full = COMPUTE_BYTES * g["persistent"]
-        padded += full * g["padded_numel"] + per_shard * g["padded_numel"] // world
-        unpadded += full * g["numel"] + per_shard * g["numel"] / world
-    return padded, unpadded
+    """(padded, unpadded) bytes of a bf16 rank's states after a step, from the engine's layout."""
+    return state_padding(layout, COMPUTE_BYTES)
 
 
 def table(results: list[dict[str, Any]]) -> str:
@@ -244,11 +202,8 @@ def table(results: list[dict[str, Any]]) -> str:
 # ------------------------------------------------------------------ the tests
 @pytest.fixture(scope="module")
 def played() -> dict[tuple[str, int], dict[str, Any]]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                            "MASTER_PORT", "LOCAL_WORLD_SIZE")}
+    env = rank_env()  # CUDA hidden, checking mode off: the environment hf-zero estimate --simulate gives its rank
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *sys.path])
-    env["CUDA_VISIBLE_DEVICES"] = ""  # the engine computes on a GPU whenever it sees one
-    env["HF_ZERO_CHECK_ASYNC"] = "0"  # measured: the checking mode writes every freed buffer
     run = run_process_tree([sys.executable, "-m", "tests.distributed.test_simulated_scale"], timeout=600,
                            env=env, cwd=REPO)
     lines = [line for line in run.stdout.splitlines() if line.startswith(RESULT_MARK)]
