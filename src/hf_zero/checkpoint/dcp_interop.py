@@ -71,7 +71,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from hf_zero.checkpoint.deepspeed_import import CARRIED_HYPER, TARGET_OPTIMIZERS, _write
+from hf_zero.checkpoint.converted import CARRIED_HYPER, TARGET_OPTIMIZERS, check_conversion_target, write_converted
 from hf_zero.checkpoint.errors import CheckpointError, CheckpointNotFoundError
 from hf_zero.checkpoint.export import check_export_manifest
 from hf_zero.checkpoint.manifest import (
@@ -603,12 +603,7 @@ def _manifest(plan: ImportPlan, model: nn.Module, records: list[dict[str, Any]],
 
 
 def _check_import_target(dcp_dir: str, out_dir: str, optimizer_class: str) -> None:
-    if optimizer_class not in TARGET_OPTIMIZERS:
-        raise ValueError(f"optimizer_class={optimizer_class!r}: AdamW state resumes in one of "
-                         f"{', '.join(TARGET_OPTIMIZERS)} (ZeroAdam: the config's Adam/AdamW; 'AdamW' or 'Adam': a "
-                         "torch optimizer passed to hf_zero.initialize, as the Trainer's)")
-    if os.path.realpath(dcp_dir) == os.path.realpath(out_dir):
-        raise ValueError(f"out_dir {out_dir} is the DCP folder itself; write the hf_zero checkpoint elsewhere")
+    check_conversion_target(dcp_dir, out_dir, optimizer_class, "DCP")
     if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
         raise CheckpointError(f"{out_dir} exists and is not a directory; choose a new folder for the hf_zero "
                               "checkpoint")
@@ -647,7 +642,7 @@ def import_dcp_checkpoint(dcp_dir: str | os.PathLike[str], out_dir: str | os.Pat
     check_tag(tag)
     check_run_state(manifest, os.path.join(dcp_dir, METADATA_NAME), counters=True,
                     optimizer_groups=[{} for _ in plan.hyper])
-    return _write(out_dir, tag, save_id, entries, manifest)
+    return write_converted(out_dir, tag, save_id, entries, manifest)
 
 
 # --------------------------------------------------------------------------- export

@@ -48,32 +48,29 @@ from __future__ import annotations
 import math
 import os
 import secrets
-import shutil
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import torch
 from torch import nn
 
+from hf_zero.checkpoint.converted import CARRIED_HYPER, TARGET_OPTIMIZERS, check_conversion_target, write_converted
 from hf_zero.checkpoint.deepspeed_files import (
     DeepSpeedFolder, DynamicLossScalerRecord, LossScalerRecord, find_files, is_deepspeed_checkpoint,
     load_deepspeed_file, plain_ordered,
 )
 from hf_zero.checkpoint.errors import CheckpointError
 from hf_zero.checkpoint.manifest import (
-    BUFFER_PREFIX, FORMAT, FORMAT_VERSION, MANIFEST_NAME, OPTIM_PREFIX, PARAM_KEY, check_plain_json, check_tag,
-    describe_model, encode_state, persistent_buffers, rank_file_name, tensor_name,
+    BUFFER_PREFIX, FORMAT, FORMAT_VERSION, OPTIM_PREFIX, PARAM_KEY, check_plain_json, check_tag,
+    describe_model, encode_state, persistent_buffers, tensor_name,
 )
 from hf_zero.checkpoint.safetensors_io import DTYPE_TAGS, TensorEntry
-from hf_zero.checkpoint.save import _publish, _write_json, _write_rank_file
 from hf_zero.checkpoint.validate import check_run_state
 
 if TYPE_CHECKING:
     from hf_zero.checkpoint.engine_state import EngineState
 
-CARRIED_HYPER = ("lr", "betas", "eps", "weight_decay", "decoupled_weight_decay")
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
-TARGET_OPTIMIZERS = ("ZeroAdam", "Adam", "AdamW")  # what engine.optimizer.inner may be when it resumes
 # The keys DeepSpeed writes at the top of the model-states file; any other key is client_state.
 DEEPSPEED_KEYS = frozenset({
     "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
@@ -679,16 +676,6 @@ def _manifest(ds: DeepSpeedCheckpoint, model: nn.Module | None, records: list[di
     }
 
 
-def _check_target(ds_dir: str, out_dir: str, optimizer_class: str) -> None:
-    if optimizer_class not in TARGET_OPTIMIZERS:
-        raise ValueError(f"optimizer_class={optimizer_class!r}: DeepSpeed's Adam state resumes in one of "
-                         f"{', '.join(TARGET_OPTIMIZERS)} (ZeroAdam: the config's Adam/AdamW; 'AdamW' or 'Adam': a "
-                         "torch optimizer passed to hf_zero.initialize, as the Trainer's)")
-    if os.path.realpath(ds_dir) == os.path.realpath(out_dir):
-        raise ValueError(f"out_dir {out_dir} is the DeepSpeed folder itself; write the hf_zero checkpoint elsewhere "
-                         "(the import would replace DeepSpeed's 'latest')")
-
-
 def import_deepspeed_checkpoint(ds_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str],
                                 model: nn.Module | None = None, tag: str | None = None,
                                 optimizer_class: str = "ZeroAdam") -> str:
@@ -706,7 +693,8 @@ def import_deepspeed_checkpoint(ds_dir: str | os.PathLike[str], out_dir: str | o
     DeepSpeed's (see [Note: DeepSpeed's pickles]) or does not add up; nothing is written then.
     """
     ds_dir, out_dir = os.path.abspath(os.fspath(ds_dir)), os.path.abspath(os.fspath(out_dir))
-    _check_target(ds_dir, out_dir, optimizer_class)
+    check_conversion_target(ds_dir, out_dir, optimizer_class, "DeepSpeed",
+                            " (the import would replace DeepSpeed's 'latest')")
     ds = read_deepspeed_checkpoint(ds_dir, tag)
     check_tag(ds.folder.tag)
     if model is not None:
@@ -717,23 +705,7 @@ def import_deepspeed_checkpoint(ds_dir: str | os.PathLike[str], out_dir: str | o
     save_id = secrets.token_hex(8)
     manifest = _manifest(ds, model, records + frozen_records, optimizer_class, save_id)
     check_run_state(manifest, ds.folder.tag_dir, counters=True, optimizer_groups=[{} for _ in ds.hyper])
-    return _write(out_dir, ds.folder.tag, save_id, entries, manifest)
-
-
-def _write(out_dir: str, tag: str, save_id: str, entries: list[TensorEntry], manifest: dict[str, Any]) -> str:
-    """The rank file and the manifest into a temporary folder, published only when complete."""
-    os.makedirs(out_dir, exist_ok=True)
-    tmp_dir = os.path.join(out_dir, f".{tag}.tmp-{save_id}")
-    os.mkdir(tmp_dir)
-    try:
-        metadata = {"format": "hf_zero", "save_id": save_id, "tag": tag, "rank": "0", "world_size": "1"}
-        record = _write_rank_file(os.path.join(tmp_dir, rank_file_name(0, 1)), entries, metadata)
-        manifest["files"] = [record]
-        _write_json(os.path.join(tmp_dir, MANIFEST_NAME), manifest)
-        return _publish(out_dir, tmp_dir, tag, save_id)
-    except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
+    return write_converted(out_dir, ds.folder.tag, save_id, entries, manifest)
 
 
 # --------------------------------------------------------------------------- loading
