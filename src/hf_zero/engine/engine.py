@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from hf_zero.comm import Communicator, out_of_step
+from hf_zero.engine.buffer_pool import BufferPool
 from hf_zero.engine.compiled_units import compile_units, is_compiled, training_without_cache
 from hf_zero.engine.hooks import UnitProtocol
-from hf_zero.engine.host_memory import return_freed_buffers_to_the_os
 from hf_zero.engine.memory import format_memory_table, memory_report
 from hf_zero.engine.optimizer import ZeroOptimizer
 from hf_zero.engine.rank_agreement import RankDisagreementError
@@ -41,6 +41,7 @@ class ZeroEngine(nn.Module):
         unit_rule: str,
         optimizer: ZeroOptimizer | None,
         lr_scheduler: Any,
+        buffers: BufferPool,
     ) -> None:
         super().__init__()
         self.module = module
@@ -77,6 +78,7 @@ class ZeroEngine(nn.Module):
             reduce_bucket_numel=int(config.zero.reduce_bucket_size),
             max_reuse_numel=int(config.zero.stage3_max_reuse_distance) if self.stage == 3 else 0,
             grad_accum_dtype=config.grad_accum_dtype,
+            buffers=buffers,
         )
         self.protocol.check_in = self.check_in
         if optimizer is not None and optimizer.overlapped is not None:
@@ -218,7 +220,6 @@ class ZeroEngine(nn.Module):
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
         self.micro_steps += 1
-        return_freed_buffers_to_the_os(self.device)  # see [Note: freed buffers and the host allocator]
         self._last_step_time_s = time.perf_counter() - start
 
     def _maybe_print_progress(self) -> None:

@@ -4,9 +4,10 @@
 Each module parameter's ``.data`` is a view into its group's full flat buffer, and each ``.grad``
 is a view into a flat gradient buffer of the same layout, so autograd accumulates gradients
 exactly where the reduce-scatter reads them and the optimizer's all-gather writes parameters
-exactly where the module reads them: no copies. Freeing a full buffer resizes its *storage* to
-zero and allocating resizes it back; the tensor objects, and so every view, every autograd saved
-tensor and every ``.grad`` binding, stay valid. Module code never sees the sharding.
+exactly where the module reads them: no copies. Freeing a full buffer empties its *storage*
+and allocating gives it memory back (from the engine's pool, [Note: the buffer pool]); the
+tensor objects, and so every view, every autograd saved tensor and every ``.grad`` binding, stay
+valid. Module code never sees the sharding.
 
 [Note: master aliasing]
 Master weights are fp32. When the compute dtype is fp32 too, the master shard *is* the compute
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 
 from hf_zero.comm import Communicator, Handle
+from hf_zero.engine.buffer_pool import BufferPool
 from hf_zero.engine.grad_average import plan_average, post_divisor
 from hf_zero.engine.param_source import ParamSource
 from hf_zero.engine.param_usage import shard_segments
@@ -93,8 +95,11 @@ class FlatParamGroup:
         device: torch.device,
         source: ParamSource | None = None,
         offload: OffloadSettings = OffloadSettings(),
+        buffers: BufferPool | None = None,
     ) -> None:
         self.label = label
+        # The memory of the full buffers that come and go ([Note: the buffer pool]).
+        self.buffers = buffers if buffers is not None else BufferPool(device)
         self.owner: Any = None  # the ZeroUnit this group belongs to (set by the unit)
         self.offload = offload
         self.kind = kind
@@ -105,6 +110,8 @@ class FlatParamGroup:
         persistent = stage == 3 and kind.persistent  # padded less: [Note: alignment in flat buffers]
         self.layout: FlatLayout = build_flat_layout(named_params, shard_world, persistent)
         self.shards_params = stage == 3 and not kind.persistent
+        if self.shards_params:
+            self.buffers.register(self.layout.padded_numel * compute_dtype.itemsize, self)
         lo, hi = self.shard_range
         lazy = source is not None and any(p.is_meta for p in self.params)
         if lazy and self.shards_params:
@@ -234,6 +241,7 @@ class FlatParamGroup:
             # and, through the host allocator, keep a full unit's bytes per group after the load
             # (prepare_grads zeroes it when a backward first needs it).
             self.grad_full = torch.empty(self.layout.padded_numel, dtype=compute_dtype, device=device)
+            self.buffers.register(storage_bytes(self.grad_full), self)
         if self.stage == 0 and compute_dtype == torch.float32:
             self.grad_shard = self.grad_full  # all-reduced in place, already fp32
             self.master.grad = self.grad_shard
@@ -265,7 +273,7 @@ class FlatParamGroup:
         asynchronous gather."""
         if not self.shards_params or self._pending_gather is not None:
             return
-        if not allocate_storage(self.full):
+        if not self.buffers.acquire(self.full):
             return
         mark_gathered(self.params)
         shard, copied = self.store.gather_input(self.full.device, reclaim=self.wait_unshard)
@@ -289,7 +297,7 @@ class FlatParamGroup:
     def _free_full(self) -> None:
         """Free the full buffer; its parameters raise a clear error if read until the next gather
         ([Note: parameters read outside their unit])."""
-        free_storage(self.full)
+        self.buffers.release(self.full)
         mark_sharded(self.params)
 
     def gather_updated_shards(self) -> None:
@@ -347,7 +355,7 @@ class FlatParamGroup:
         are zeroed; an accumulating one is kept) and that each ``.grad`` is a view into it."""
         if self.grad_full is None:
             return
-        if allocate_storage(self.grad_full):
+        if self.buffers.acquire(self.grad_full):
             self.grad_full.zero_()
         for slot, param in zip(self.layout.slots, self.params):
             view = slot.view_in(self.grad_full)
@@ -399,9 +407,19 @@ class FlatParamGroup:
         if self.stage == 0:
             handle = self.comm.all_reduce_into(send, label=self.label, op=average.op, async_op=async_op)
             return PendingReduce(handle, send, send)
-        received = torch.empty(self.layout.shard_numel, dtype=reduce_dtype, device=send.device)
+        if self.reduces_into_pool:  # [Note: the buffer pool]
+            received = self.buffers.take(self.layout.shard_numel, reduce_dtype)
+        else:
+            received = torch.empty(self.layout.shard_numel, dtype=reduce_dtype, device=send.device)
         handle = self.comm.reduce_scatter_into(received, send, label=self.label, async_op=async_op, op=average.op)
         return PendingReduce(handle, received, send)
+
+    @property
+    def reduces_into_pool(self) -> bool:
+        """A reduction's output comes from the pool and goes back once added into the gradient
+        shard; not when a copy to the host reads it after that ([Note: gradients copied to the
+        host]), which keeps it alive itself."""
+        return self.offload.grad_copies is None
 
     def finish_reduce(self, pending: PendingReduce) -> None:
         if pending.handle is not None:
@@ -410,6 +428,8 @@ class FlatParamGroup:
         if self.grad_shard is not None and self.grad_shard.data_ptr() != received.data_ptr():
             self.accept_reduced(received, post_divisor(received.dtype, self.comm.world_size))
         if self.stage != 0:
+            if self.reduces_into_pool:
+                self.buffers.give_back(received)  # added into the gradient shard
             self.release_grads()
         else:
             self.drop_grad_accum()
@@ -453,7 +473,7 @@ class FlatParamGroup:
             return
         for param in self.params:
             param.grad = None
-        free_storage(self.grad_full)
+        self.buffers.release(self.grad_full)
 
     @property
     def grad_received(self) -> bool:

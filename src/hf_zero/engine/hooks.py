@@ -118,6 +118,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from hf_zero.comm import Communicator
+from hf_zero.engine.buffer_pool import BufferPool
 from hf_zero.engine.buckets import PendingBucket, ReduceSchedule, finish_bucket, start_bucket
 from hf_zero.engine.flat_group import FlatParamGroup
 from hf_zero.engine.timers import PhaseTimers
@@ -163,8 +164,11 @@ class UnitProtocol:
         reduce_bucket_numel: int = 0,
         max_reuse_numel: int = 0,
         grad_accum_dtype: torch.dtype = torch.float32,
+        buffers: BufferPool | None = None,
     ) -> None:
         self.units = units
+        # Let go of its idle buffers at the phase boundaries ([Note: the buffer pool]).
+        self.buffers = buffers
         self.root = units[-1]
         self.stage = stage
         self.comm = comm
@@ -303,6 +307,8 @@ class UnitProtocol:
                 self._catch_up_forward(len(self.forward_order))
                 self.forward_cursor = len(self.forward_order)
             self._end_forward(unit)
+            if self.forward_cursor >= len(self.forward_order):
+                self._release_idle()  # the last unit is done: the head and the loss follow
         if not torch.is_grad_enabled():
             return
         for tensor in _tensors(output):
@@ -461,6 +467,11 @@ class UnitProtocol:
                 unit.reshard()
             unit.reset_backward_state()
         self.backward_open = False
+        self._release_idle()  # the optimizer step follows
+
+    def _release_idle(self) -> None:
+        if self.buffers is not None:
+            self.buffers.release_idle()
 
     def _maybe_release(self, unit: ZeroUnit) -> None:
         """Free a stage-3 unit once its backward is done: [Note: releasing a unit in backward]."""

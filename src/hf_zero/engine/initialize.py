@@ -14,8 +14,9 @@ from hf_zero.comm import Communicator, default_device, ensure_process_group, hf_
 from hf_zero.config import HfZeroConfig
 from hf_zero.config.validate import config_warnings
 from hf_zero.engine.deferred_load import disarm_materialisation, find_source, initialise_new_adapters
+from hf_zero.engine.buffer_pool import BufferPool, hand_back_free_heap_pages
 from hf_zero.engine.engine import ZeroEngine
-from hf_zero.engine.host_memory import pin_mmap_threshold
+from hf_zero.engine.hooks import BUCKETS_IN_FLIGHT
 from hf_zero.engine.loss_scaler import build_loss_scaler
 from hf_zero.engine.muon import MuonWithAuxAdamW, muon_param_groups
 from hf_zero.engine.optimizer import ZeroAdam, ZeroOptimizer
@@ -264,8 +265,6 @@ def initialize(
         for warning in config_warnings(resolved.to_dict()):
             logger.warning("hf_zero config: %s", warning)
 
-    if resolved.stage == 3:
-        pin_mmap_threshold(device)  # see [Note: freed buffers and the host allocator]
     source, source_owner = _lazy_source(model)
     if source is not None:
         _agree_on_real_params(model, comm, device)
@@ -285,10 +284,11 @@ def initialize(
     if offload.params == "nvme":
         offload = dataclasses.replace(offload, param_store=_nvme_param_store(resolved, model, comm, threshold))
     unit_offloads = _offload_by_unit(resolved, offload, plan.units)
+    buffers = _buffer_pool(resolved, device)
     try:
         units = [
             ZeroUnit(i, spec, param_group_of, comm, resolved.stage, resolved.compute_dtype, device, threshold,
-                     source, unit_offloads[i])
+                     source, unit_offloads[i], buffers)
             for i, spec in enumerate(plan.units)
         ]
         if offload.param_store is not None:
@@ -337,7 +337,9 @@ def initialize(
                                                      nvme=offload.optimizer == "nvme"):
             zero_optimizer.overlapped = OverlappedOffloadStep(zero_optimizer, device)
     scheduler = _build_scheduler(resolved, zero_optimizer, lr_scheduler)
-    engine = ZeroEngine(model, resolved, comm, device, units, plan.rule, zero_optimizer, scheduler)
+    buffers.release_idle()  # a phase boundary: [Note: the buffer pool]
+    hand_back_free_heap_pages()  # [Note: the heap after loading]
+    engine = ZeroEngine(model, resolved, comm, device, units, plan.rule, zero_optimizer, scheduler, buffers)
     dataloader = _build_dataloader(training_data, resolved, comm, collate_fn)
     return engine, zero_optimizer, dataloader, scheduler
 
@@ -494,6 +496,14 @@ def _nvme_param_store(config: HfZeroConfig, model: nn.Module, comm: Communicator
         buffer_numel=int(section.buffer_size), max_in_cpu=int(section.max_in_cpu),
         pin_memory=bool(section.pin_memory), needed_bytes=max(0, per_rank - int(section.max_in_cpu)) * itemsize,
     )
+
+
+def _buffer_pool(config: HfZeroConfig, device: torch.device) -> BufferPool:
+    """The engine's unit buffers ([Note: the buffer pool]), with room for what the schedule frees
+    before it allocates again: the stage-3 prefetch bucket and the gradient buckets in flight."""
+    prefetch = int(config.zero.stage3_prefetch_bucket_size) if config.stage == 3 else 0
+    return BufferPool(device, prefetch_bytes=prefetch * config.compute_dtype.itemsize,
+                      buffers_in_flight=BUCKETS_IN_FLIGHT)
 
 
 def _offload_by_unit(config: HfZeroConfig, offload: OffloadSettings, specs: list[Any]) -> list[OffloadSettings]:

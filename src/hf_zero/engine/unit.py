@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from hf_zero.comm import Communicator
+from hf_zero.engine.buffer_pool import BufferPool
 from hf_zero.engine.flat_group import FlatParamGroup, GroupKind
 from hf_zero.engine.param_source import ParamSource
 from hf_zero.offload import OffloadSettings
@@ -76,6 +77,7 @@ class ZeroUnit:
         persistence_threshold: int,
         source: ParamSource | None = None,
         offload: OffloadSettings = OffloadSettings(),
+        buffers: BufferPool | None = None,
     ) -> None:
         self.index = index
         self.name = spec.name
@@ -91,7 +93,7 @@ class ZeroUnit:
         self.groups = [
             FlatParamGroup(
                 f"{spec.name}#{i}", named, kind, comm, stage, compute_dtype, device, source,
-                offload if kind.trainable or offload.params != "none" else OffloadSettings(),
+                offload if kind.trainable or offload.params != "none" else OffloadSettings(), buffers,
             )
             for i, (kind, named) in enumerate(sorted(buckets.items(), key=_kind_order))
         ]

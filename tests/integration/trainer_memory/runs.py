@@ -62,17 +62,23 @@ def command(mode: str, model: Path, out: Path, steps: int, configs: dict[str, Pa
 
 
 def run_mode(mode: str, model: Path, work: Path, steps: int, configs: dict[str, Path], sample_s: float = 0.0,
-             timeout: float | None = None) -> dict[str, Any]:
-    """One launch: every rank's peak RSS (MB), optional RSS samples, and the logged losses."""
+             timeout: float | None = None, allocator_env: dict[str, str] | None = None,
+             label: str | None = None) -> dict[str, Any]:
+    """One launch: every rank's peak RSS (MB), optional RSS samples, and the logged losses. glibc's
+    allocator runs at its defaults unless ``allocator_env`` sets ``MALLOC_*_`` variables; ``label``
+    names the run's folders (default: the mode)."""
     from tests.distributed.launch import run_process_tree
 
-    out, rss = work / f"out-{mode}", work / f"rss-{mode}"
+    out, rss = work / f"out-{label or mode}", work / f"rss-{label or mode}"
     rss.mkdir()
     env = dict(os.environ, TRAINER_MEMORY_OUT=str(rss), TRAINER_MEMORY_SAMPLE_S=str(sample_s), OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(HERE), str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH", "")]),
                HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     for name in ("HF_ZERO_CONFIG", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
+    for name in [n for n in env if n.startswith("MALLOC_")]:
+        env.pop(name)
+    env.update(allocator_env or {})
     if mode == "deepspeed3":
         env["DS_ACCELERATOR"] = "cpu"
     proc = run_process_tree(command(mode, model, out, steps, configs), env=env, timeout=timeout)
