@@ -23,8 +23,20 @@ def _config() -> Any:
                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
 
 
+def _map_blocks_of_64kib() -> None:
+    """This rank's glibc maps every block of 64 KiB or more on its own, so the resident peak
+    follows the live tensors, not the heap's slack (0-15 MiB here, run to run). The ranks fork
+    from a server whose allocator has started already, so ``MALLOC_MMAP_THRESHOLD_`` would come
+    too late; hf_zero itself sets nothing (tests/distributed/test_buffer_pool.py)."""
+    import ctypes
+
+    ctypes.CDLL(None).mallopt(-3, 65536)  # M_MMAP_THRESHOLD
+
+
 def _build_sharded() -> dict[str, Any]:
     import transformers
+
+    _map_blocks_of_64kib()
 
     import hf_zero
     from hf_zero.integrations._weights import gather_full_state_dict
@@ -73,13 +85,10 @@ def _peak_of_a_larger_build() -> dict[str, float]:
             "shard_mb": engine.memory_report()["compute_params"] / 2**20, "largest_module_mb": largest_module * 4 / 2**20}
 
 
-def test_from_config_is_sharded_with_the_plain_distribution(monkeypatch):
+def test_from_config_is_sharded_with_the_plain_distribution():
     from transformers import AutoModelForCausalLM
 
-    # Every block of 64 KiB or more its own mapping, so the resident peak follows the live tensors
-    # and not glibc's heap slack (which adds 0-15 MiB here, run to run); hf_zero sets nothing.
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
-    results = run_distributed(_build_sharded, 2)
+    results = run_distributed(_build_sharded, 2)  # see _map_blocks_of_64kib
     assert all(r["on_meta"] for r in results)
     for r in results:  # the shard, one module's initialisation, and a little working memory
         bound = r["shard_mb"] + r["largest_module_mb"] + 8
