@@ -65,6 +65,25 @@ def hand_back_free_heap_pages() -> bool:
     return True
 
 
+def storage_bytes(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().nbytes()
+
+
+def free_storage(tensor: torch.Tensor) -> None:
+    if storage_bytes(tensor) > 0:
+        poison_before_free(tensor)  # [Note: late completion]: a stale alias reads poison
+        tensor.untyped_storage().resize_(0)
+
+
+def allocate_storage(tensor: torch.Tensor) -> bool:
+    """Give a freed full-size tensor its storage back from the allocator that made it. Returns True if it was freed before."""
+    needed = tensor.numel() * tensor.element_size()
+    if storage_bytes(tensor) == needed:
+        return False
+    tensor.untyped_storage().resize_(needed)
+    return True
+
+
 def _mapped_storage(nbytes: int) -> torch.UntypedStorage:
     """``nbytes`` of zeroed, page-aligned host memory in an anonymous mapping of its own; the
     mapping is unmapped when the returned storage's data is freed."""
@@ -121,14 +140,11 @@ class BufferPool:
     def acquire(self, tensor: torch.Tensor) -> bool:
         """Give the freed flat buffer ``tensor`` (a whole storage, from offset 0) its memory back.
         Returns True if it was freed before; the contents are undefined."""
-        storage = tensor.untyped_storage()
         needed = tensor.numel() * tensor.element_size()
-        if storage.nbytes() == needed:
-            return False
-        if not self.owns_memory or needed == 0:
-            storage.resize_(needed)
-            return True
-        storage._swap_data_ptr_(self._buffer(needed))  # the storage object stays: views and saved tensors hold it
+        if not self.owns_memory or needed == 0 or storage_bytes(tensor) == needed:
+            return allocate_storage(tensor)
+        # The storage object stays: views and saved tensors hold it.
+        tensor.untyped_storage()._swap_data_ptr_(self._buffer(needed))
         return True
 
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -164,13 +180,11 @@ class BufferPool:
         unmapped (or freed to the allocator that made it)."""
         storage = tensor.untyped_storage()
         nbytes = storage.nbytes()
-        if nbytes == 0:
+        if nbytes == 0 or storage.data_ptr() not in self._mapped:  # made by the allocator (construction, a GPU)
+            free_storage(tensor)
             return
         poison_before_free(tensor)  # [Note: late completion]: a stale alias reads poison
         with self._lock:
-            if storage.data_ptr() not in self._mapped:  # made by the allocator (construction, a GPU)
-                storage.resize_(0)
-                return
             holder = torch.UntypedStorage(0)
             holder._swap_data_ptr_(storage)  # the storage is empty again; the holder has the buffer
             if self.reusable(nbytes) and len(self._idle[nbytes]) < self.idle_per_size \

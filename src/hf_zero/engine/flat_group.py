@@ -25,35 +25,16 @@ import torch
 from torch import nn
 
 from hf_zero.comm import Communicator, Handle
-from hf_zero.engine.buffer_pool import BufferPool
+from hf_zero.engine.buffer_pool import BufferPool, allocate_storage, free_storage, storage_bytes
 from hf_zero.engine.grad_average import plan_average, post_divisor
 from hf_zero.engine.param_source import ParamSource
 from hf_zero.engine.param_usage import shard_segments
 from hf_zero.engine.sharded_param import mark_gathered, mark_sharded
-from hf_zero.execution import execution_for, poison_before_free
+from hf_zero.execution import execution_for
 from hf_zero.offload import NvmeShard, OffloadSettings
 from hf_zero.offload.shard_store import DeviceShard, HostShard, ShardStore
 from hf_zero.transfer import is_host_store, to_host
 from hf_zero.partition import FlatLayout, build_flat_layout
-
-
-def storage_bytes(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage().nbytes()
-
-
-def free_storage(tensor: torch.Tensor) -> None:
-    if storage_bytes(tensor) > 0:
-        poison_before_free(tensor)  # [Note: late completion]: a stale alias reads poison
-        tensor.untyped_storage().resize_(0)
-
-
-def allocate_storage(tensor: torch.Tensor) -> bool:
-    """Give a freed full-size tensor its storage back. Returns True if it was freed before."""
-    needed = tensor.numel() * tensor.element_size()
-    if storage_bytes(tensor) == needed:
-        return False
-    tensor.untyped_storage().resize_(needed)
-    return True
 
 
 @dataclass

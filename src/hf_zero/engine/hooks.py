@@ -159,12 +159,12 @@ class UnitProtocol:
         prefetch_numel: int,
         max_live_numel: int,
         is_boundary: Callable[[], bool],
+        buffers: BufferPool,
         overlap_comm: bool = False,
         timers: PhaseTimers | None = None,
         reduce_bucket_numel: int = 0,
         max_reuse_numel: int = 0,
         grad_accum_dtype: torch.dtype = torch.float32,
-        buffers: BufferPool | None = None,
     ) -> None:
         self.units = units
         # Let go of its idle buffers at the phase boundaries ([Note: the buffer pool]).
@@ -308,7 +308,7 @@ class UnitProtocol:
                 self.forward_cursor = len(self.forward_order)
             self._end_forward(unit)
             if self.forward_cursor >= len(self.forward_order):
-                self._release_idle()  # the last unit is done: the head and the loss follow
+                self.buffers.release_idle()  # the last unit is done: the head and the loss follow
         if not torch.is_grad_enabled():
             return
         for tensor in _tensors(output):
@@ -467,11 +467,7 @@ class UnitProtocol:
                 unit.reshard()
             unit.reset_backward_state()
         self.backward_open = False
-        self._release_idle()  # the optimizer step follows
-
-    def _release_idle(self) -> None:
-        if self.buffers is not None:
-            self.buffers.release_idle()
+        self.buffers.release_idle()  # the optimizer step follows
 
     def _maybe_release(self, unit: ZeroUnit) -> None:
         """Free a stage-3 unit once its backward is done: [Note: releasing a unit in backward]."""
