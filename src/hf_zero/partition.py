@@ -18,17 +18,17 @@ whose full parameters are live for the whole forward and backward.
 
 [Note: edge units]
 Outside the blocks, a causal LM holds its largest tensors: the input embedding and the output
-projection are each vocab x hidden (at Llama-3 shapes 525M elements). Left in the root, the
-embedding would be gathered for the whole forward and backward although only the first
-module uses it, and with the output projection it would exhaust ``stage3_max_live_parameters``
-(refusing every prefetch and every reuse). So the module Transformers names through
-``get_input_embeddings()`` becomes a unit of its own, first in the unit order, which is where it
-runs. The output projection stays in the root on purpose: code inside the model's forward reads
-``lm_head.weight`` directly without calling the module (TRL's fused LM head, Liger's fused
-linear cross-entropy, custom losses), and only the root is gathered for the whole forward and
-backward, so only there does such a read see real values in both. A tied pair is one tensor
-reachable from both modules: it stays in the root (stored once). Embeddings inside a block, or a
-model that is one unit, are left as they are.
+projection are each vocab x hidden (at Llama-3 shapes 525M elements). Left in the root, they
+would be gathered for the whole forward and backward although one module at each end uses
+them, with the full gradient of the head held as well, and together they would exhaust
+``stage3_max_live_parameters`` (refusing every prefetch and every reuse). So the modules
+Transformers names through ``get_input_embeddings()`` and ``get_output_embeddings()`` become
+units of their own, first and last in the unit order, which is where they run. Code inside or
+after the model's forward that reads ``lm_head.weight`` without calling the module (TRL's fused
+LM head, Liger's fused linear cross-entropy, custom losses) gathers the head on that read
+([Note: parameters read without their module] in hooks.py). A tied pair is one tensor reachable
+from both modules: it stays in the root (stored once). Embeddings inside a block, or a model
+that is one unit, are left as they are.
 """
 
 from __future__ import annotations
@@ -243,17 +243,27 @@ def _accessor_module(model: nn.Module, getter: str) -> nn.Module | None:
 
 
 def _with_edge_units(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
-    """``blocks`` with the input embedding first, when it can be a unit: see [Note: edge units]."""
-    embedding = _accessor_module(model, "get_input_embeddings")
-    if not blocks or embedding is None or not any(True for _ in embedding.parameters()):
+    """``blocks`` with the input embedding first and the output projection last, each when it can
+    be a unit: see [Note: edge units]."""
+    if not blocks:
         return blocks
-    name = next((n for n, m in model.named_modules() if m is embedding), None)
-    if name is None or any(m is embedding or name.startswith(prefix + ".") for prefix, m in blocks):
-        return blocks
-    output = _accessor_module(model, "get_output_embeddings")
-    if output is not None and any(p is q for p in embedding.parameters() for q in output.parameters()):
+    embedding = _edge_module(model, "get_input_embeddings", blocks)
+    output = _edge_module(model, "get_output_embeddings", blocks)
+    if embedding is not None and output is not None and any(
+            p is q for p in embedding[1].parameters() for q in output[1].parameters()):
         return blocks  # tied: the one tensor stays in the root
-    return [(name, embedding)] + blocks
+    return ([embedding] if embedding else []) + blocks + ([output] if output else [])
+
+
+def _edge_module(model: nn.Module, getter: str, blocks: list[tuple[str, nn.Module]]) -> tuple[str, nn.Module] | None:
+    """``model.<getter>()`` with its name, unless it has no parameters or lies inside a block."""
+    module = _accessor_module(model, getter)
+    if module is None or not any(True for _ in module.parameters()):
+        return None
+    name = next((n for n, m in model.named_modules() if m is module), None)
+    if name is None or any(m is module or name.startswith(prefix + ".") for prefix, m in blocks):
+        return None
+    return name, module
 
 
 def plan_units(model: nn.Module, wrap_modules: Sequence[str] | None = None) -> UnitPlan:

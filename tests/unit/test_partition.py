@@ -38,8 +38,8 @@ def test_flat_layout_offsets_and_shards():
 @pytest.mark.parametrize("builder, unit_classes", [
     # GPT-2 ties wte and lm_head: the one tensor stays in the root (see [Note: edge units]).
     (tiny_gpt2, ["GPT2Block"] * 2),
-    # tiny_llama is untied: the embedding is a unit of its own; lm_head stays in the root.
-    (tiny_llama, ["Embedding", "LlamaDecoderLayer", "LlamaDecoderLayer"])])
+    # tiny_llama is untied: the embedding and lm_head are units of their own, first and last.
+    (tiny_llama, ["Embedding", "LlamaDecoderLayer", "LlamaDecoderLayer", "Linear"])])
 def test_units_from_no_split_modules(builder, unit_classes):
     model = builder()
     plan = plan_units(model)
@@ -55,22 +55,22 @@ def _meta_llama(**shape) -> nn.Module:
         return LlamaForCausalLM(LlamaConfig(**shape))
 
 
-def test_llama3_shape_embedding_is_a_unit_of_its_own():
+def test_llama3_shape_embedding_and_head_are_units_of_their_own():
     """Llama-3-8B's shape (built on the meta device: no memory): a root holding the 525M-element
-    embedding and lm_head would alone exceed stage3_max_live_parameters' default of 1e9. The
-    embedding is a unit; lm_head stays in the root ([Note: edge units]: code reads its weight
-    directly inside the forward)."""
+    embedding and lm_head would alone exceed stage3_max_live_parameters' default of 1e9, and hold
+    the head's full gradient through the backward. Each is a unit; the root keeps the final norm
+    ([Note: edge units]; a fused loss reading lm_head.weight gathers it on that read)."""
     vocab, hidden, layers = 128256, 4096, 32
     model = _meta_llama(vocab_size=vocab, hidden_size=hidden, intermediate_size=14336,
                         num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8,
                         tie_word_embeddings=False)
     plan = plan_units(model)
     names = [u.name for u in plan.units]
-    assert names[0] == "model.embed_tokens" and names[-1] == "<root>"
-    assert names[1:-1] == [f"model.layers.{i}" for i in range(layers)]
-    assert plan.units[0].numel == vocab * hidden
-    assert [n for n, _ in plan.root.params] == ["model.norm.weight", "lm_head.weight"]
-    assert plan.root.numel == hidden + vocab * hidden
+    assert names[0] == "model.embed_tokens" and names[-2:] == ["lm_head", "<root>"]
+    assert names[1:-2] == [f"model.layers.{i}" for i in range(layers)]
+    assert plan.units[0].numel == plan.units[-2].numel == vocab * hidden
+    assert [n for n, _ in plan.root.params] == ["model.norm.weight"]
+    assert plan.root.numel == hidden
 
 
 def test_tied_embeddings_stay_in_the_root_once():
@@ -104,7 +104,7 @@ def test_wrap_modules_override_and_error():
     model = tiny_llama()
     plan = plan_units(model, wrap_modules=["LlamaMLP"])
     assert [u.name for u in plan.units[:-1]] == [
-        "model.embed_tokens", "model.layers.0.mlp", "model.layers.1.mlp"]
+        "model.embed_tokens", "model.layers.0.mlp", "model.layers.1.mlp", "lm_head"]
     with pytest.raises(ValueError, match="matches no module.*LlamaDecoderLayer"):
         plan_units(model, wrap_modules=["NoSuchBlock"])
 

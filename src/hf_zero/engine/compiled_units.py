@@ -3,14 +3,14 @@
 [Note: compiled units]
 Compiling the whole model would trace hf_zero's module hooks, which issue collectives, move
 unit states and register gradient hooks: none of that belongs in a graph. So each unit module
-that is not the root (the blocks and the input embedding, see [Note: edge units] in
+that is not the root (the blocks, the input embedding and the head, see [Note: edge units] in
 hf_zero.partition) has its ``forward`` replaced by ``torch.compile(forward)``: the hooks of
 [Note: the unit protocol] still run eagerly around it, so the unit is gathered before its graph
 runs and released after, and the gradient buckets fill as before. Dynamo lifts module
 parameters into graph inputs (``inline_inbuilt_nn_modules``, the default since torch 2.5), so a
 graph does not hold on to the storage that stage 3 frees and gathers again each step, and
 identical blocks share one graph. What stays eager is the root's own code: the loss, the final
-norm, lm_head, position embeddings. This is Accelerate's "regional compilation" and the per-block
+norm, position embeddings. This is Accelerate's "regional compilation" and the per-block
 ``torch.compile`` FSDP2 documents.
 
 An HF model with ``config.use_cache`` true builds a KV cache even in a training forward; the

@@ -256,7 +256,6 @@ class FlatParamGroup:
             return
         if not self.buffers.acquire(self.full):
             return
-        mark_gathered(self.params)
         shard, copied = self.store.gather_input(self.full.device, reclaim=self.wait_unshard)
         self._pending_gather = self.comm.all_gather_into(
             self.full, shard, label=self.label, async_op=async_op, after=(copied,)
@@ -269,6 +268,10 @@ class FlatParamGroup:
             self._pending_gather.wait()
             self._pending_gather = None
             self.store.gather_done()
+            # Readable only now: while a gather is in flight the parameters keep their guard, so
+            # a read that no module hook waited for (a fused loss reading lm_head.weight) waits
+            # for the values instead of reading the buffer's stale bytes.
+            mark_gathered(self.params)
 
     def reshard(self) -> None:
         if self.shards_params:

@@ -88,6 +88,33 @@ two communicators' kernels fitting on the GPU side by side.
 - With ``wall_clock_breakdown``, each gather (with its wait and the prefetches it starts) runs
   under the ``gather`` timer and each reduction under ``reduce`` (hf_zero.engine.timers).
 
+[Note: parameters read without their module]
+Code may read a stage-3 parameter of a unit whose module it never calls: a fused loss reads
+``lm_head.weight`` inside the model's forward (Liger's fused linear cross-entropy, TRL's
+fused LM head). Such a read reaches the sharded parameter's guard ([Note: parameters read
+outside their unit] in sharded_param.py), which asks the protocol to gather the unit, as
+DeepSpeed gathers a module's external parameters:
+
+- inside the model's forward only (between the root's forward pre-hook and its forward hook),
+  through the shared schedule, as if the unit's forward started there: the units before it
+  are caught up, and every rank issues the same gathers (the read happens at the same point on
+  every rank). A read outside a forward (after the step, in a backward hook) keeps the clear
+  error: nothing there frees what it would gather;
+- the unit then stays gathered: its backward runs inside the fused loss's, with no output
+  hook to announce it. Its gradients arrive through the post-accumulate hooks (the unit goes
+  from IDLE to ACCUMULATING there) and are reduced in the buckets' order; its parameters are
+  freed when the backward reaches the next unit of the backward order, or at the end of the
+  backward. A fused loss whose backward recomputes from the weight after that (two forwards
+  with autograd and one backward, as DPO runs the chosen and rejected halves) reads a freed
+  unit: a unit read in a forward with autograd is gathered again on such a read, as an
+  activation-checkpointing recompute gathers its unit, and freed at the end of the backward;
+- what a forward without autograd gathered is freed at the end of that forward, unless an
+  earlier forward with autograd read it too (a reference model's pass between the policy's
+  forward and its backward, on a shared model with the adapter disabled);
+- a read while the unit's prefetch is still in flight waits for it: the parameters keep their
+  guard until the gather has completed, not only until the buffer exists, so a read that no
+  module hook waited for never sees the buffer's previous bytes.
+
 [Note: units whose backward reads no parameter]
 An embedding lookup's backward scatters the output gradient into rows of the weight's gradient
 from the saved indices; it never reads the weight. A unit that is exactly a ``nn.Embedding``
@@ -199,7 +226,13 @@ class UnitProtocol:
             self.numel_after[unit.index] = after
             after += unit.sharded_numel
         self.forward_cursor = len(self.forward_order)  # no forward pass open
+        self.forward_open = False  # between the root's forward pre-hook and its forward hook
         self.training_pass = False  # the open forward pass runs with autograd
+        # Units gathered by a read without their module ([Note: parameters read without their
+        # module]): in a pass with autograd (their backward may read them again), and in the open
+        # pass without autograd (freed when it ends).
+        self.read_for_backward: list[ZeroUnit] = []
+        self.read_without_grad: list[ZeroUnit] = []
         self.backward_cursor = 0
         self.backward_open = False
         self.reductions = ReduceSchedule(
@@ -217,10 +250,44 @@ class UnitProtocol:
                         param.register_post_accumulate_grad_hook(self._hook_post_accumulate(unit, group, index))
                     )
 
+        if self.stage == 3:
+            for unit in self.units[:-1]:
+                for group in unit.groups:
+                    if group.shards_params:
+                        for param in group.params:
+                            param._hf_zero_gather_on_read = self._reader(unit)
+
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+        for unit in self.units:
+            for param in (p for g in unit.groups for p in g.params):
+                if hasattr(param, "_hf_zero_gather_on_read"):
+                    del param._hf_zero_gather_on_read
+
+    def _reader(self, unit: ZeroUnit) -> Callable[[], bool]:
+        def gather() -> bool:
+            return self.gather_on_read(unit)
+
+        return gather
+
+    def gather_on_read(self, unit: ZeroUnit) -> bool:
+        """A parameter of ``unit`` is read without its module: gather the unit if the read may
+        ([Note: parameters read without their module]). Returns whether it is gathered."""
+        if _in_backward():  # a fused loss's backward recomputing from the weight
+            if unit not in self.read_for_backward:
+                return False
+            self._timed("gather", unit.unshard)
+            return True
+        if not self.forward_open:
+            return False
+        self.pre_forward(unit)  # the shared schedule inside a forward; where it runs after one
+        unit.wait_unshard()
+        held = self.read_for_backward if self.training_pass else self.read_without_grad
+        if unit not in held:
+            held.append(unit)
+        return True
 
     def _hook_pre_forward(self, unit: ZeroUnit) -> Callable:
         def hook(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
@@ -275,6 +342,7 @@ class UnitProtocol:
             return
         if unit is self.root:  # a new forward pass starts
             self.check_in("forward")
+            self.forward_open = True
             self.forward_cursor = 0
             self.training_pass = torch.is_grad_enabled()
             self._timed("gather", self._gather_forward, unit)
@@ -307,8 +375,10 @@ class UnitProtocol:
                 self._catch_up_forward(len(self.forward_order))
                 self.forward_cursor = len(self.forward_order)
             self._end_forward(unit)
+            if unit is self.root:
+                self._end_forward_pass()
             if self.forward_cursor >= len(self.forward_order):
-                self.buffers.release_idle()  # the last unit is done: the head and the loss follow
+                self.buffers.release_idle()  # the last unit is done: the loss follows
         if not torch.is_grad_enabled():
             return
         for tensor in _tensors(output):
@@ -318,6 +388,14 @@ class UnitProtocol:
     def _end_forward(self, unit: ZeroUnit) -> None:
         if not self._keep_for_backward(unit):
             unit.reshard()
+
+    def _end_forward_pass(self) -> None:
+        self.forward_open = False
+        if not self.training_pass:  # no backward will free what a read gathered
+            for unit in self.read_without_grad:
+                if unit not in self.read_for_backward:  # an earlier pass's backward still reads it
+                    unit.reshard()
+            self.read_without_grad.clear()
 
     # ------------------------------------------------------------------ backward
     def _hook_pre_backward(self, unit: ZeroUnit) -> Callable:
@@ -355,7 +433,11 @@ class UnitProtocol:
             skipped = self.backward_order[self.backward_cursor]
             self.backward_cursor += 1
             if not skipped.backward_visited:
-                self._visit_backward(skipped, runs=False)
+                # A unit a fused loss read in a forward with autograd has a backward although
+                # no output of it announced one; its gradients may still be on their way (a
+                # second forward's backward runs first): wait for them as for a unit that runs.
+                runs = skipped in self.read_for_backward and skipped.grad_state is not GradState.READY
+                self._visit_backward(skipped, runs=runs)
 
     def _visit_backward(self, unit: ZeroUnit, runs: bool) -> None:
         unit.backward_visited = True
@@ -383,6 +465,8 @@ class UnitProtocol:
     def grad_arrived(self, unit: ZeroUnit, group: FlatParamGroup, index: int) -> None:
         """Parameter ``index`` of ``group`` got its gradient accumulated (post-accumulate-grad
         hook)."""
+        if not self.backward_open:  # no unit output announced this backward (a parameter read
+            self._open_backward()   # without its module, a root output without tensors)
         if unit.grad_state is GradState.IDLE:  # reached without its output: a parameter used
             unit.move_grads(GradState.ACCUMULATING)  # outside the unit's forward
         elif unit.grad_state is not GradState.ACCUMULATING:
@@ -466,6 +550,7 @@ class UnitProtocol:
             if self.stage == 3:
                 unit.reshard()
             unit.reset_backward_state()
+        self.read_for_backward.clear()
         self.backward_open = False
         self.buffers.release_idle()  # the optimizer step follows
 
@@ -480,6 +565,8 @@ class UnitProtocol:
         if self.stage == 3:
             for unit in self.units:
                 unit.reshard()
+            self.read_for_backward.clear()
+            self.read_without_grad.clear()
 
     # ------------------------------------------------------------------ reuse
     def _keep_for_backward(self, unit: ZeroUnit) -> bool:

@@ -19,6 +19,10 @@ storage without a check: ``param.data.sum()`` was a SIGSEGV. Such a result is re
 :class:`ShardedView`, which carries the parameter's name and the same guard, so it gets the same
 error (``copy.deepcopy(param)`` goes through ``param.data`` and gets it too). Once the unit is
 gathered again, a view kept from before reads the values like any tensor.
+
+Before raising, the guard asks the engine to gather the unit: a read inside the model's forward
+gets the values ([Note: parameters read without their module] in hooks.py). The error is for
+reads anywhere else.
 """
 
 from __future__ import annotations
@@ -60,6 +64,8 @@ def _guarded_call(func: Any, args: tuple, kwargs: dict | None) -> Any:
     name = getattr(func, "__name__", "")
     if name not in _METADATA_OPS:
         freed = _freed(args, kwargs)
+        if freed and _gathered_on_read(freed):
+            freed = _freed(args, kwargs)
         if freed:
             raise RuntimeError(
                 f"hf_zero: parameter {_names(freed)} is sharded by ZeRO stage 3 and is not gathered "
@@ -76,18 +82,35 @@ def _guarded_call(func: Any, args: tuple, kwargs: dict | None) -> Any:
     return result
 
 
+def _gathered_on_read(freed: list[torch.Tensor]) -> bool:
+    """Ask the engine to gather the units of ``freed`` for this read ([Note: parameters read
+    without their module] in hooks.py). Returns whether any was gathered."""
+    gathered = False
+    for tensor in freed:
+        gather = getattr(tensor, "_hf_zero_gather_on_read", None)
+        gathered = gather is not None and gather() or gathered
+    return gathered
+
+
 def _guard_view(result: torch.Tensor, args: tuple, kwargs: dict | None) -> torch.Tensor:
     """``result`` as a :class:`ShardedView` if it is a view of a sharded parameter's storage."""
     for arg in _flat(args, kwargs):
         if isinstance(arg, (ShardedParameter, ShardedView)) and torch._C._is_alias_of(result, arg):
             view = result.as_subclass(ShardedView)
             view._hf_zero_name = getattr(arg, "_hf_zero_name", "?")
+            gather = getattr(arg, "_hf_zero_gather_on_read", None)
+            if gather is not None:
+                view._hf_zero_gather_on_read = gather
             return view
     return result
 
 
 def _freed(args: tuple, kwargs: dict | None) -> list[torch.Tensor]:
-    return [a for a in _flat(args, kwargs) if isinstance(a, (ShardedParameter, ShardedView)) and not _allocated(a)]
+    """The arguments whose values are not there: a parameter of a unit that is sharded or whose
+    gather is still in flight (its class changes back only when the gather has completed), or
+    a view of a freed storage."""
+    return [a for a in _flat(args, kwargs)
+            if isinstance(a, ShardedParameter) and a.numel() > 0 or isinstance(a, ShardedView) and not _allocated(a)]
 
 
 def _names(tensors: list[torch.Tensor]) -> str:
