@@ -70,3 +70,21 @@ def test_a_rank_outside_the_world_is_a_one_line_error(model_dir):
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.count("\n") == 1, done.stderr
     assert "--simulate-rank 64" in done.stderr and "0 to 63" in done.stderr
+
+
+def test_a_rank_that_would_not_fit_in_host_memory_is_refused_before_anything_runs(tmp_path):
+    """A Llama shape of 499B parameters in 8 layers of hidden 65536, at world 64: one rank's states
+    alone (18 bytes x 499B / 64, 131 GiB) exceed what any CI machine has, so ``--simulate``
+    stops before it builds anything and says how to make the run fit, instead of being killed by
+    the kernel halfway through."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=128256, hidden_size=65536, intermediate_size=262144, num_hidden_layers=8,
+                num_attention_heads=512, num_key_value_heads=8, tie_word_embeddings=False).save_pretrained(tmp_path)
+    done = subprocess.run([*_hf_zero(), "estimate", "--model", str(tmp_path), "--gpus-per-node", "8", "--nodes", "8",
+                           "--simulate"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, (done.stdout[-2000:], done.stderr[-2000:])
+    assert done.stderr.count("\n") == 1, done.stderr  # the refusal, nothing from a started rank
+    assert "--simulate needs about" in done.stderr and "fewer num_hidden_layers" in done.stderr, done.stderr
+    assert "rank 63 of 64" in done.stdout
+    assert done.stdout.rstrip().splitlines()[-1].startswith("host memory needed"), done.stdout[-2000:]
