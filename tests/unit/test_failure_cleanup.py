@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -23,7 +24,8 @@ def test_the_free_space_check_counts_every_rank_on_the_machine(tmp_path, monkeyp
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     with pytest.raises(OSError, match="for the 2 ranks on this machine") as info:
         check_nvme_path(str(tmp_path), needed_bytes=int(shutil.disk_usage(tmp_path).free * 0.75))
-    assert "0.00 GiB" not in str(info.value)
+    # No size printed as zero (a whole "0.00 GiB", not the end of "50.00 GiB")
+    assert not re.search(r"(?<![\d.])0\.00 GiB", str(info.value)), str(info.value)
 
 
 def test_a_small_free_space_is_printed_in_a_unit_that_shows_it(tmp_path):
