@@ -23,9 +23,9 @@ would be gathered for the whole forward and backward although one module at each
 them, with the full gradient of the head held as well, and together they would exhaust
 ``stage3_max_live_parameters`` (refusing every prefetch and every reuse). So the modules
 Transformers names through ``get_input_embeddings()`` and ``get_output_embeddings()`` become
-units of their own, first and last in the unit order, which is where they run. Code inside or
-after the model's forward that reads ``lm_head.weight`` without calling the module (TRL's fused
-LM head, Liger's fused linear cross-entropy, custom losses) gathers the head on that read
+units of their own, first and last in the unit order, which is where they run. Code inside the
+model's forward that reads ``lm_head.weight`` without calling the module (TRL's fused LM head,
+Liger's fused linear cross-entropy, custom losses) gathers the head on that read
 ([Note: parameters read without their module] in hooks.py). A tied pair is one tensor reachable
 from both modules: it stays in the root (stored once). Embeddings inside a block, or a model
 that is one unit, are left as they are.

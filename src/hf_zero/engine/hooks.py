@@ -139,6 +139,7 @@ of backward, and before every optimizer step (an update makes a gathered copy st
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable, Iterator
 
 import torch
@@ -255,7 +256,7 @@ class UnitProtocol:
                 for group in unit.groups:
                     if group.shards_params:
                         for param in group.params:
-                            param._hf_zero_gather_on_read = self._reader(unit)
+                            param._hf_zero_gather_on_read = partial(self.gather_on_read, unit)
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -265,12 +266,6 @@ class UnitProtocol:
             for param in (p for g in unit.groups for p in g.params):
                 if hasattr(param, "_hf_zero_gather_on_read"):
                     del param._hf_zero_gather_on_read
-
-    def _reader(self, unit: ZeroUnit) -> Callable[[], bool]:
-        def gather() -> bool:
-            return self.gather_on_read(unit)
-
-        return gather
 
     def gather_on_read(self, unit: ZeroUnit) -> bool:
         """A parameter of ``unit`` is read without its module: gather the unit if the read may
