@@ -277,13 +277,20 @@ def _estimate(args: argparse.Namespace, rest: list[str]) -> int:
     except (OSError, ValueError) as error:
         print(f"hf-zero estimate: cannot build a model from {args.model!r}: {error}", file=sys.stderr)
         return 1
+    if args.shard_group_size is not None and (args.shard_group_size < 2 or world % args.shard_group_size):
+        print(f"hf-zero estimate: --shard-group-size {args.shard_group_size}: expected a divisor of the world size "
+              f"{world} of at least 2 (usually --gpus-per-node)", file=sys.stderr)
+        return 2
     estimates = estimate_model_states(
         model, args.gpus_per_node, args.nodes, dtype=args.dtype, stages=args.stages,
         persistence_threshold=args.persistence_threshold,
         working=WorkingSettings(args.reduce_bucket_size, args.max_reuse_distance, args.max_live_parameters,
-                                args.prefetch_bucket_size),
+                                args.prefetch_bucket_size), shard_group_size=args.shard_group_size,
     )
     print(describe(model, world))
+    if args.shard_group_size is not None:
+        print(f"hybrid sharding: states sharded over groups of {args.shard_group_size} ranks, "
+              f"{world // args.shard_group_size} replicas (mics_shard_size)")
     print(f"model states per rank ({args.dtype} compute, fp32 master and Adam state; "
           "+working is transient memory during forward/backward):")
     print(format_table(estimates))
@@ -292,7 +299,8 @@ def _estimate(args: argparse.Namespace, rest: list[str]) -> int:
     row = estimate_model_states(model, args.gpus_per_node, args.nodes, dtype=args.dtype, stages=(3,),
                                 persistence_threshold=args.persistence_threshold,
                                 working=WorkingSettings(args.reduce_bucket_size, args.max_reuse_distance,
-                                                        args.max_live_parameters, args.prefetch_bucket_size))[0]
+                                                        args.max_live_parameters, args.prefetch_bucket_size),
+                                shard_group_size=args.shard_group_size)[0]
     return _simulate(args, model, row)
 
 
@@ -323,7 +331,7 @@ def _simulate(args: argparse.Namespace, model: Any, row: Any) -> int:
             "rank": rank, "world": world, "dtype": args.dtype, "persistence_threshold": args.persistence_threshold,
             "reduce_bucket_size": args.reduce_bucket_size, "max_reuse_distance": args.max_reuse_distance,
             "max_live_parameters": args.max_live_parameters, "prefetch_bucket_size": args.prefetch_bucket_size,
-            "seq": args.seq, "micro_batch": args.micro_batch}
+            "seq": args.seq, "micro_batch": args.micro_batch, "shard_group_size": args.shard_group_size}
     try:
         result = simulate.run_rank_subprocess(spec, lambda line: print(f"  {line} ...", flush=True))
     except RuntimeError as error:
@@ -353,10 +361,23 @@ def _simulated_table(result: dict[str, Any], row: Any, states: int, padding: tup
               f"({100 * (padded - unpadded) / padded if padded else 0:.3f}%)",
               f"time: build {result['build_s']:.1f} s, initialize {result['init_s']:.1f} s (peak added "
               f"{human_bytes(result['init_peak'])}), forward+backward+step {result['fwd_bwd_step_s']:.1f} s on this CPU",
+              _comm_line(result.get("comm", {})),
               "+working measured: the peak resident growth of the forward and backward over the states (activations "
               "of this short sequence included); not measured: activations of long sequences, real network buffers, "
               "CUDA allocator fragmentation"]
     return "\n".join(lines)
+
+
+def _comm_line(comm: dict[str, dict[str, int]]) -> str:
+    """The simulated step's collectives by where they run ([Note: counting] in hf_zero.comm.collectives:
+    logical sizes, the full tensor of each collective)."""
+    from hf_zero.estimator import human_bytes
+
+    inside = sum(c["bytes"] for kind, c in comm.items() if kind != "replica_all_reduce")
+    across = comm.get("replica_all_reduce", {}).get("bytes", 0)
+    line = f"communication of the step: {human_bytes(inside)} in the rank's shard group"
+    return line + (f", {human_bytes(across)} between shard groups (the gradient shards' all-reduce across replicas)"
+                   if "replica_all_reduce" in comm else " (every rank)")
 
 
 def _add_export_and_estimate(sub: argparse._SubParsersAction) -> None:
@@ -413,6 +434,9 @@ def _add_export_and_estimate(sub: argparse._SubParsersAction) -> None:
                                ("--prefetch-bucket-size", 50_000_000, "stage3_prefetch_bucket_size")):
         estimate.add_argument(flag, type=int, default=default,
                               help=f"{key}, for the working-memory column (DeepSpeed's default)")
+    estimate.add_argument("--shard-group-size", type=int, default=None,
+                          help="mics_shard_size (hybrid sharding): shard the states over groups of this many ranks, "
+                          "usually --gpus-per-node, and replicate across them (default: shard over all ranks)")
     estimate.add_argument("--simulate", action="store_true",
                           help="also measure one rank of this world: build the model under a live stage-3 config, "
                           "initialize and run one forward+backward+step on this CPU with torch's fake process group "

@@ -350,8 +350,8 @@ def _working_bytes(groups: list[GroupStats], stage: int, compute_bytes: int,
 
 def _estimate(model: nn.Module, world: int, gpus_per_node: int, stage: int, compute_bytes: int,
               threshold: int, wrap_modules: Sequence[str] | None, offload_optimizer: bool,
-              offload_param: bool, working: WorkingSettings) -> StateEstimate:
-    groups = group_stats(model, world, stage, threshold, wrap_modules)
+              offload_param: bool, working: WorkingSettings, shard_size: int) -> StateEstimate:
+    groups = group_stats(model, shard_size, stage, threshold, wrap_modules)
     mem = _state_bytes(groups, stage, compute_bytes)
     device, host = sum(mem.values()), 0
     if offload_optimizer:
@@ -375,17 +375,23 @@ def estimate_model_states(
     persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD,
     wrap_modules: Sequence[str] | None = None,
     working: WorkingSettings = WorkingSettings(),
+    shard_group_size: int | None = None,
 ) -> list[StateEstimate]:
     """Per-rank device and host bytes for model states under each stage in ``stages``, without
     offload, with ``offload_optimizer=cpu`` (stages 1-3) and with both offloads (stage 3); see
     [Note: memory formulas]. ``model`` is a module (any device, meta included), a Hugging Face
     config dict, or a path / Hub name of a config (built on the meta device: nothing is allocated).
     ``working`` holds the bucket and reuse settings that size the transient working memory.
+    ``shard_group_size``: ``mics_shard_size`` (hybrid sharding): states are sharded over groups of
+    that many ranks, not over the world.
     """
     if num_gpus_per_node < 1 or num_nodes < 1:
         raise ValueError(f"num_gpus_per_node and num_nodes must be >= 1, got {num_gpus_per_node}, {num_nodes}")
     module = model if isinstance(model, nn.Module) else meta_model(model)
     world = num_gpus_per_node * num_nodes
+    shard_size = world if shard_group_size is None or shard_group_size <= 0 else shard_group_size
+    if world % shard_size:
+        raise ValueError(f"shard_group_size {shard_group_size} does not divide the world size {world}")
     compute_bytes = _compute_bytes(dtype)
     estimates = []
     for stage in stages:
@@ -393,7 +399,7 @@ def estimate_model_states(
         for offload_optimizer, offload_param in choices:
             estimates.append(_estimate(module, world, num_gpus_per_node, stage, compute_bytes,
                                        persistence_threshold, wrap_modules, offload_optimizer, offload_param,
-                                       working))
+                                       working, shard_size))
     return estimates
 
 

@@ -59,6 +59,7 @@ def measure_step(engine: Any, input_ids: Any) -> dict[str, Any]:
     """One forward, backward and step on ``input_ids`` (its own labels): the peak resident growth
     of the forward and backward over what the rank held before (its states), the time of all
     three, and ``memory_report()`` after the step (every state category allocated)."""
+    engine.reset_comm_stats()
     before = reset_peak()
     start = time.perf_counter()
     loss = engine(input_ids=input_ids, labels=input_ids).loss
@@ -66,7 +67,7 @@ def measure_step(engine: Any, input_ids: Any) -> dict[str, Any]:
     peak = rss("VmHWM") - before
     engine.step()
     return {"peak_above_states": peak, "fwd_bwd_step_s": time.perf_counter() - start,
-            "memory": engine.memory_report()}
+            "memory": engine.memory_report(), "comm": engine.comm_stats()}
 
 
 def state_bytes(memory: dict[str, int]) -> int:
@@ -118,7 +119,8 @@ def live_config(spec: dict[str, Any]) -> dict[str, Any]:
             "reduce_bucket_size": spec["reduce_bucket_size"],
             "stage3_max_reuse_distance": spec["max_reuse_distance"],
             "stage3_max_live_parameters": spec["max_live_parameters"],
-            "stage3_prefetch_bucket_size": spec["prefetch_bucket_size"]}
+            "stage3_prefetch_bucket_size": spec["prefetch_bucket_size"],
+            "mics_shard_size": spec.get("shard_group_size") or -1}
     config: dict[str, Any] = {"train_micro_batch_size_per_gpu": spec["micro_batch"],
                               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": zero}
     if spec["dtype"] != "fp32":

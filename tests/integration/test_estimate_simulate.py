@@ -88,3 +88,22 @@ def test_a_rank_that_would_not_fit_in_host_memory_is_refused_before_anything_run
     assert "--simulate needs about" in done.stderr and "fewer num_hidden_layers" in done.stderr, done.stderr
     assert "rank 63 of 64" in done.stdout
     assert done.stdout.rstrip().splitlines()[-1].startswith("host memory needed"), done.stdout[-2000:]
+
+
+def test_hybrid_sharding_is_simulated_with_the_traffic_between_shard_groups(model_dir):
+    """``--shard-group-size 8`` on 8 x 8: the simulated rank holds the states of a world of 8 (the
+    estimator's row for one node, to the byte), and its step reports traffic between shard groups."""
+    done = subprocess.run([*_hf_zero(), "estimate", "--model", model_dir, "--gpus-per-node", "8", "--nodes", "8",
+                           "--shard-group-size", "8", "--stages", "3", "--simulate"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert "states sharded over groups of 8 ranks, 8 replicas" in out
+    measured, formula, _ = _row(out, "states")
+    assert measured == formula
+    node = subprocess.run([*_hf_zero(), "estimate", "--model", model_dir, "--gpus-per-node", "8", "--stages", "3"],
+                          capture_output=True, text=True, timeout=120)
+    stage3 = next(line for line in node.stdout.splitlines() if re.match(r"3\s+\| none\s+\| none", line))
+    assert stage3.split("|")[3].strip() in out.split("stage 3, rank")[1]  # a world of 8's states
+    line = next(line for line in out.splitlines() if line.startswith("communication of the step"))
+    assert "between shard groups" in line, line

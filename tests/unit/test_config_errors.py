@@ -352,3 +352,17 @@ def test_optimizer_params_are_checked_against_the_type() -> None:
     assert [p.path for p in _problems({"optimizer": {"type": "AdamW", "params": {"momentum": 0.9}}})] == ["optimizer.params.momentum"]
     assert [p.path for p in _problems({"optimizer": {"type": "Muon", "params": {"amsgrad": True}}})] == ["optimizer.params.amsgrad"]
     assert [p.path for p in _problems({"optimizer": {"type": "Muon", "params": {"ns_steps": 0}}})] == ["optimizer.params.ns_steps"]
+
+
+@pytest.mark.parametrize("zero, rule_part", [
+    ({"stage": 0, "mics_shard_size": 8}, "hybrid sharding needs ZeRO stage 1, 2 or 3"),
+    ({"stage": 3, "mics_shard_size": 1}, "every rank its own full copy of the optimizer state"),
+])
+def test_shard_group_size_contradictions(zero: dict[str, Any], rule_part: str) -> None:
+    problem = _one({"zero_optimization": zero})
+    assert problem.path == "zero_optimization.mics_shard_size" and rule_part in problem.rule
+
+
+@pytest.mark.parametrize("size", [-1, 0, 2, 8])
+def test_shard_group_size_off_or_a_group_is_accepted(size: int) -> None:
+    assert HfZeroConfig({"zero_optimization": {"stage": 3, "mics_shard_size": size}}).zero.mics_shard_size == size

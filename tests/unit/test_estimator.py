@@ -183,3 +183,15 @@ def test_each_row_names_its_formula_and_the_papers():
     assert "ZeRO paper" in table.splitlines()[0] and "2Ψ + 16Ψ/N" in table
     fp32 = estimate_model_states(Toy(), num_gpus_per_node=4, dtype="fp32", stages=(0, 2), persistence_threshold=0)
     assert [r.formula for r in fp32 if not r.offload_optimizer] == ["16Ψ", "4Ψ + 12Ψ/N"]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_hybrid_sharding_shards_states_over_the_shard_group_only(stage: int):
+    """mics_shard_size 8 on 8 x 8 ranks: each rank holds what a world of 8 holds."""
+    hybrid = estimate_model_states(Toy(width=64), 8, 8, dtype="bf16", stages=(stage,), shard_group_size=8)
+    node = estimate_model_states(Toy(width=64), 8, 1, dtype="bf16", stages=(stage,))
+    everywhere = estimate_model_states(Toy(width=64), 8, 8, dtype="bf16", stages=(stage,))
+    assert [e.device_bytes for e in hybrid] == [e.device_bytes for e in node]
+    assert hybrid[0].device_bytes > everywhere[0].device_bytes
+    with pytest.raises(ValueError, match="does not divide the world size 64"):
+        estimate_model_states(Toy(width=64), 8, 8, stages=(stage,), shard_group_size=6)

@@ -319,14 +319,14 @@ def _save(engine: EngineState, save_dir: str, tag: str, client_state: Any) -> st
         files = _write_files(engine, prepared, tmp_dir, tag, save_id)
         return _finish(engine, prepared, save_dir, tmp_dir, tag, save_id, files, rng_states)
     except BaseException:
-        if comm.rank == 0:
+        if comm.global_rank == 0:
             shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
 
 
 def _make_tmp_dir(comm: Any, save_dir: str, tag: str) -> tuple[str, str]:
     save_id, local_error = None, None
-    if comm.rank == 0:
+    if comm.global_rank == 0:
         save_id = secrets.token_hex(8)
         try:
             os.makedirs(save_dir, exist_ok=True)

@@ -71,6 +71,61 @@ def _make_grad_group(group: dist.ProcessGroup | None, timeout_s: float | None) -
             dist.all_reduce(torch.zeros(1, device=rank_device()), group=made)
 
 
+# [Note: hybrid sharding]
+# ``mics_shard_size`` S (DeepSpeed's MiCS, FSDP2's HSDP) splits the N ranks into N/S shard groups
+# of S consecutive ranks (the GPUs of a node, as launchers number them) and S replica groups (the
+# ranks at the same place in every shard group). Parameters, gradients and optimizer states are
+# sharded S ways inside a shard group, exactly as over all ranks without it: every gather and
+# every reduce-scatter stays on the fast links. A reduced gradient shard is then all-reduced across
+# its replica group, the only traffic between nodes: 1/S of the gradients per step instead of the
+# parameter gathers and reduce-scatters of the whole model. Every replica then holds the same
+# gradient shard and takes the same optimizer step, so the replicas stay identical without
+# exchanging parameters. What every rank must agree on (the config, the phases of a step, the
+# initial weights, saves) still goes over all ranks; the averaging divides by N
+# (grad_average.py); a checkpoint is written by the first shard group (save.py) and has S rank
+# files. ``torch.distributed.new_group`` is collective over all ranks, so every rank makes every
+# group, in one order; the meshes are kept per (group, S) and reused by every engine.
+@dataclass(frozen=True)
+class _Mesh:
+    shard: dist.ProcessGroup  # this rank's shard group: gathers, norms
+    replicas: dist.ProcessGroup  # the ranks holding the same shard in the other shard groups
+
+
+_MESHES: dict[tuple[object, int], _Mesh] = {}
+
+
+def _make_mesh(group: dist.ProcessGroup | None, shard_size: int, timeout_s: float | None) -> _Mesh:
+    key = (_grad_group_key(group), shard_size)
+    if key in _MESHES:
+        return _MESHES[key]
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    me = dist.get_rank()
+    kwargs = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+    shard = shard_grads = replicas = None
+    for start in range(0, len(ranks), shard_size):
+        members = ranks[start:start + shard_size]
+        made, made_grads = dist.new_group(ranks=members, **kwargs), dist.new_group(ranks=members, **kwargs)
+        if me in members:
+            shard, shard_grads = made, made_grads
+    for offset in range(shard_size):
+        members = ranks[offset::shard_size]
+        made = dist.new_group(ranks=members, **kwargs)
+        if me in members:
+            replicas = made
+    assert shard is not None and shard_grads is not None and replicas is not None
+    _GRAD_GROUPS[_grad_group_key(shard)] = shard_grads  # [Note: two process groups], inside the shard group
+    for made in (shard, shard_grads, replicas):
+        if dist.get_backend(made) == "nccl":  # made now, together, not inside a backward hook
+            dist.all_reduce(torch.zeros(1, device=rank_device()), group=made)
+    _MESHES[key] = mesh = _Mesh(shard, replicas)
+    return mesh
+
+
+def _release_groups() -> None:
+    _GRAD_GROUPS.clear()
+    _MESHES.clear()
+
+
 class CollectiveError(RuntimeError):
     """A collective failed or timed out; the message names the rank, the collective, its label
     (the unit's group), and where the engine was (see [Note: collective errors])."""
@@ -92,7 +147,7 @@ def _describe_failure(comm: "Communicator", kind: str, label: str, exc: BaseExce
     what = (f"got no answer within the {comm.timeout_s:g} s collective timeout" if timed_out and comm.timeout_s
             else "timed out" if timed_out else f"failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})")
     return CollectiveError(
-        f"rank {comm.rank}: {kind} {label!r} {what} while at {comm.where()}: another rank stopped answering "
+        f"rank {comm.global_rank}: {kind} {label!r} {what} while at {comm.where()}: another rank stopped answering "
         "(crashed, hung, or took another code path; its own output says which). "
         + ("Raise the limit with collective_timeout_s in the config or HF_ZERO_TIMEOUT (seconds) if a rank "
            "is only slow." if timed_out else "")
@@ -155,14 +210,32 @@ class CommStats:
 class Communicator:
     """Collectives over one process group, counted and labelled (see [Note: counting])."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None, timeout_s: float | None = None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, timeout_s: float | None = None,
+                 shard_size: int | None = None) -> None:
+        """``group``: every rank of the run; ``shard_size``: shard over groups of that many ranks
+        and replicate across them ([Note: hybrid sharding]); None shards over all of ``group``."""
         self.initialized = dist.is_available() and dist.is_initialized()
-        self.group = group
-        self.rank = dist.get_rank(group) if self.initialized else 0
-        self.world_size = dist.get_world_size(group) if self.initialized else 1
+        self.group = group  # agreement, phases, broadcasts, saves: every rank
+        self.global_rank = dist.get_rank(group) if self.initialized else 0
+        self.global_world_size = dist.get_world_size(group) if self.initialized else 1
+        hybrid = shard_size is not None and 1 < shard_size < self.global_world_size
+        if hybrid and self.global_world_size % shard_size:
+            raise ValueError(
+                f"hf_zero: zero_optimization.mics_shard_size {shard_size} does not divide the world size "
+                f"{self.global_world_size}; write a divisor of it (the GPUs of one node), or -1 to shard over all ranks")
+        mesh = _make_mesh(group, shard_size, timeout_s) if hybrid else None
+        # Parameter gathers, gradient reduce-scatters and norms: the shard group.
+        self.shard_group = mesh.shard if mesh is not None else group
+        # Gradient shards are all-reduced across it after their reduce-scatter; None without replicas.
+        self.replica_group = mesh.replicas if mesh is not None else None
+        # The place in the shard group (which shard this rank owns) and the group's size.
+        self.rank = dist.get_rank(self.shard_group) if self.initialized else 0
+        self.world_size = dist.get_world_size(self.shard_group) if self.initialized else 1
+        self.replicas = self.global_world_size // self.world_size
         if self.world_size > 1:  # see [Note: two process groups]
-            _make_grad_group(group, timeout_s)
-            leave_gloo_groups_at_exit(release_own_references=_GRAD_GROUPS.clear)
+            _make_grad_group(self.shard_group, timeout_s)
+        if self.global_world_size > 1:
+            leave_gloo_groups_at_exit(release_own_references=_release_groups)
         self.stats = CommStats()
         # When a list: every collective issued, in issue order, as (kind, label): what
         # [Note: one order for both groups] is checked against.
@@ -193,12 +266,17 @@ class Communicator:
 
     @property
     def grad_group(self) -> dist.ProcessGroup | None:
-        return _GRAD_GROUPS.get(_grad_group_key(self.group)) if self.world_size > 1 else None
+        return _GRAD_GROUPS.get(_grad_group_key(self.shard_group)) if self.world_size > 1 else None
 
     @property
     def active(self) -> bool:
         """False when collectives are skipped (world size 1)."""
-        return self.world_size > 1
+        return self.global_world_size > 1
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many ranks' gradients a reduction averages: every rank, replicas included."""
+        return self.global_world_size
 
     @staticmethod
     def _check(label: str, *tensors: torch.Tensor) -> None:
@@ -234,7 +312,7 @@ class Communicator:
                     out.copy_(inp)
                 return None
             with record_function(f"hf_zero::all_gather::{label}"):  # failures: reported by _run
-                return _ALL_GATHER(out, inp, group=self.group, async_op=async_)
+                return _ALL_GATHER(out, inp, group=self.shard_group, async_op=async_)
 
         return self._run("all_gather", "all-gather", label, output, shard, issue, async_op, after)
 
@@ -253,21 +331,39 @@ class Communicator:
                 "(this is a bug in hf_zero: the caller should have divided first)")
         if self.active:
             self._count("reduce_scatter", label, full)
+            if self.replica_group is not None:
+                self._count("replica_all_reduce", label, shard)
 
         def issue(out: torch.Tensor, inp: torch.Tensor, async_: bool) -> object:
             if not self.active:
                 out.copy_(inp)
                 return None
             with record_function(f"hf_zero::reduce_scatter::{label}"):  # failures: reported by _run
-                if exchange:
-                    work = ExchangeReduceScatter(out, inp, self.grad_group)  # [Note: reduce-scatter on gloo]
-                    if not async_:
-                        work.wait()
-                        return None
-                    return work
-                return _REDUCE_SCATTER(out, inp, op=op, group=self.grad_group, async_op=async_)
+                if self.replica_group is not None:
+                    self._reduce_scatter(out, inp, op, exchange, async_=False)
+                    return self._across_replicas(out, op, label, async_)
+                return self._reduce_scatter(out, inp, op, exchange, async_)
 
         return self._run("reduce_scatter", "reduce-scatter", label, shard, full, issue, async_op)
+
+    def _reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: dist.ReduceOp.RedOpType,
+                        exchange: bool, async_: bool) -> object:
+        """Inside the shard group, on its gradient group."""
+        if exchange:
+            work = ExchangeReduceScatter(out, inp, self.grad_group)  # [Note: reduce-scatter on gloo]
+            if not async_:
+                work.wait()
+                return None
+            return work
+        return _REDUCE_SCATTER(out, inp, op=op, group=self.grad_group, async_op=async_)
+
+    def _across_replicas(self, shard: torch.Tensor, op: dist.ReduceOp.RedOpType, label: str, async_: bool) -> object:
+        """A reduced gradient shard, all-reduced with the same shard of the other shard groups
+        ([Note: hybrid sharding]). Issued right after the reduce-scatter it follows (which the
+        host or the stream has waited for), so the replica group sees the reductions in the
+        order the gradient group does, the same on every rank."""
+        with record_function(f"hf_zero::replica_all_reduce::{label}"):
+            return dist.all_reduce(shard, op=op, group=self.replica_group, async_op=async_)
 
     def _run(self, stream_kind: str, kind: str, label: str, output: torch.Tensor, input: torch.Tensor,
              issue: Callable[[torch.Tensor, torch.Tensor, bool], object], async_op: bool,
@@ -288,7 +384,7 @@ class Communicator:
         if self.active:
             self._count("all_reduce", label, tensor)
             with record_function(f"hf_zero::all_reduce::{label}"), self._reporting("all-reduce", label):
-                dist.all_reduce(tensor, op=op, group=self.grad_group if grads else self.group)
+                dist.all_reduce(tensor, op=op, group=self.grad_group if grads else self.shard_group)
         return tensor
 
     def all_reduce_into(self, tensor: torch.Tensor, label: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
@@ -325,19 +421,19 @@ class Communicator:
         if not self.active:
             return [tuple(values)]
         mine = torch.tensor(values, dtype=torch.int64, device=device)
-        everyone = torch.empty(self.world_size * len(values), dtype=torch.int64, device=device)
+        everyone = torch.empty(self.global_world_size * len(values), dtype=torch.int64, device=device)
         if self.trace is not None:
             self.trace.append(("phase", phase))
         with record_function(f"hf_zero::phase::{phase}"), self._reporting("phase check", phase):
             _ALL_GATHER(everyone, mine, group=self.group)
-        rows = everyone.view(self.world_size, len(values)).tolist()
+        rows = everyone.view(self.global_world_size, len(values)).tolist()
         return [tuple(row) for row in rows]
 
     def all_gather_objects(self, obj: object) -> list[object]:
         """Small Python objects (RNG states, sizes) from every rank; not counted as model traffic."""
         if not self.active:
             return [obj]
-        out: list[object] = [None] * self.world_size
+        out: list[object] = [None] * self.global_world_size
         with self._reporting("all-gather of objects", type(obj).__name__):
             dist.all_gather_object(out, obj, group=self.group)
         return out

@@ -255,6 +255,14 @@ def _offload_device_off(value: Any) -> bool:
     return value not in OFFLOAD_DEVICES_NOT_IMPLEMENTED
 
 
+def _shard_group_size(value: Any) -> tuple[str, str] | None:
+    """mics_shard_size: off (-1 or any value <= 0, DeepSpeed's reading) or a group of at least 2."""
+    if value == 1:
+        return ("1 would give every rank its own full copy of the optimizer state",
+                "write -1 to shard over all ranks, a group size of 2 or more (the GPUs of one node), or use stage 0")
+    return None
+
+
 def _legacy_cpu_offload_off(value: Any) -> bool:
     # DeepSpeed's deprecated booleans; hf_zero asks for the offload_* sections instead.
     return not value
@@ -394,7 +402,7 @@ _SPECS: list[KeySpec] = [
     KeySpec("zero_optimization.zero_quantized_nontrainable_weights", Bool(), False, "ZeRO++ MixZ++: frozen weights stored quantized.", NOT_IMPLEMENTED, _NI_ZEROPP, when_on="true"),
     KeySpec("zero_optimization.zero_quantized_gradients", Bool(), False, "ZeRO++ qgZ: quantized gradient reduction.", NOT_IMPLEMENTED, _NI_ZEROPP, when_on="true"),
     KeySpec("zero_optimization.zeropp_loco_param", Opaque(), None, "LoCo-ZeRO++ error feedback parameters.", NOT_IMPLEMENTED, _NI_ZEROPP, nullable=True, off=lambda v: v is None, when_on="present"),
-    KeySpec("zero_optimization.mics_shard_size", Int(), -1, "MiCS shard group size.", NOT_IMPLEMENTED, "MiCS sharding", off=_not_positive, when_on="> 0"),
+    KeySpec("zero_optimization.mics_shard_size", Int(), -1, "Hybrid sharding (MiCS, FSDP2's HSDP): shard model states over groups of this many consecutive ranks (a node) and replicate them across the groups; -1 shards over all ranks.", IMPLEMENTED, "parameter gathers stay inside a group; gradients are reduce-scattered in the group, then all-reduced across groups", check=_shard_group_size),
     KeySpec("zero_optimization.mics_hierarchical_params_gather", Bool(), False, "MiCS hierarchical gather.", NOT_IMPLEMENTED, "MiCS sharding", when_on="true"),
     KeySpec("zero_optimization.memory_efficient_linear", Bool(), True, "DeepSpeed's memory-efficient linear for stage 3.", NO_EFFECT, "hf_zero does not replace nn.Linear; the math is unchanged"),
     KeySpec("zero_optimization.pipeline_loading_checkpoint", Bool(), False, "Load checkpoints in pipeline mode (stage 3).", NO_EFFECT, "a loading-order hint; the loaded values are identical"),

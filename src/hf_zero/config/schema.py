@@ -198,6 +198,10 @@ class ZeroConfig(_Typed):
     """ZeRO++ MixZ++; must stay False (not implemented). Default False."""
     zero_quantized_gradients: bool
     """ZeRO++ qgZ; must stay False (not implemented). Default False."""
+    mics_shard_size: int
+    """Hybrid sharding: model states are sharded over groups of this many consecutive ranks and
+    replicated across groups (DeepSpeed's MiCS, FSDP2's HSDP). -1 (or <= 0): one group of all
+    ranks. Default -1."""
     memory_efficient_linear: bool
     """DeepSpeed's stage-3 linear; no effect in hf_zero. Default True."""
     wrap_modules: list[str] | None

@@ -49,6 +49,7 @@ def validate(root: dict[str, Any], *, allow_auto: bool, check_batch: bool = True
     _walk(root, "", root, problems, allow_auto)
     _check_precision(root, problems)
     _check_offload(root, problems)
+    _check_shard_groups(root, problems)
     _check_null_sections(root, problems)
     _check_optimizer(root, problems)
     _check_scheduler(root, problems)
@@ -313,6 +314,18 @@ def _check_offload(root: dict[str, Any], problems: ProblemList) -> None:
         if zero.get(legacy) is not None and zero.get(modern) is not None:
             rule = f"is the deprecated form of '{modern}', which is also given"
             problems.add(f"zero_optimization.{legacy}", zero[legacy], rule, f"remove '{legacy}'")
+
+
+def _check_shard_groups(root: dict[str, Any], problems: ProblemList) -> None:
+    """Hybrid sharding shards states inside a group; stage 0 shards nothing."""
+    zero = root.get("zero_optimization")
+    if not isinstance(zero, dict):
+        return
+    size, stage = _int(zero.get("mics_shard_size", -1)), _int(zero.get("stage", 0))
+    if size is not None and size > 1 and stage == 0:
+        problems.add("zero_optimization.mics_shard_size", size,
+                     "hybrid sharding needs ZeRO stage 1, 2 or 3 (stage is 0, which shards nothing)",
+                     "set zero_optimization.stage to 1, 2 or 3, or remove mics_shard_size")
 
 
 def _check_offload_section(name: str, section: dict[str, Any], stage: int | None, problems: ProblemList) -> None:

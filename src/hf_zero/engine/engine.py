@@ -104,11 +104,13 @@ class ZeroEngine(nn.Module):
     # ------------------------------------------------------------------ identity
     @property
     def rank(self) -> int:
-        return self.comm.rank
+        """This process's rank among all ranks (DeepSpeed's ``global_rank``)."""
+        return self.comm.global_rank
 
     @property
     def world_size(self) -> int:
-        return self.comm.world_size
+        """How many ranks train the model together: the data-parallel size."""
+        return self.comm.global_world_size
 
     def gradient_accumulation_steps(self) -> int:
         return self.config.gradient_accumulation_steps

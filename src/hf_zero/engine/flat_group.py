@@ -410,7 +410,7 @@ class FlatParamGroup:
             pending.handle.wait()
         received = pending.received
         if self.grad_shard is not None and self.grad_shard.data_ptr() != received.data_ptr():
-            self.accept_reduced(received, post_divisor(received.dtype, self.comm.world_size))
+            self.accept_reduced(received, post_divisor(received.dtype, self.comm.data_parallel_size))
         if self.stage != 0:
             if self.reduces_into_pool:
                 self.buffers.give_back(received)  # added into the gradient shard

@@ -2,7 +2,7 @@
 
 [Note: averaging gradients over ranks]
 A gradient reduction averages the ranks' gradients: it sums them and divides by the world size
-N. Where the division happens depends on the dtype the reduction runs in (the reduce dtype,
+N (every rank: with hybrid sharding, the shard group's size times the replicas). Where the division happens depends on the dtype the reduction runs in (the reduce dtype,
 ``communication_data_type``; null means the compute dtype):
 
 - fp32: every rank divides its input by N before the sum (``div_`` in its own buffer, or the
@@ -58,8 +58,9 @@ def post_divisor(reduce_dtype: torch.dtype, world_size: int) -> int:
 
 
 def plan_average(reduce_dtype: torch.dtype, comm: Communicator, device: torch.device) -> GradAverage:
-    """The averaging of a gradient all-reduce (stage 0) or reduce-scatter on ``comm``."""
-    return average_for(reduce_dtype, comm.world_size, _on_nccl(comm, device))
+    """The averaging of a gradient all-reduce (stage 0) or reduce-scatter on ``comm``: over every
+    rank, the replicas of hybrid sharding included ([Note: hybrid sharding] in collectives.py)."""
+    return average_for(reduce_dtype, comm.data_parallel_size, _on_nccl(comm, device))
 
 
 def _on_nccl(comm: Communicator, device: torch.device) -> bool:

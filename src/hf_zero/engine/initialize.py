@@ -204,8 +204,8 @@ def _build_dataloader(
     if training_data is None:
         return None
     sampler = None
-    if comm.world_size > 1:
-        sampler = DistributedSampler(training_data, num_replicas=comm.world_size, rank=comm.rank)
+    if comm.global_world_size > 1:  # data parallel over every rank, replicas included
+        sampler = DistributedSampler(training_data, num_replicas=comm.global_world_size, rank=comm.global_rank)
     return DataLoader(
         training_data, batch_size=config.train_micro_batch_size_per_gpu, sampler=sampler,
         shuffle=sampler is None, collate_fn=collate_fn,
@@ -260,8 +260,9 @@ def initialize(
         except Exception as exc:
             local_error = exc
     agree(comm, "hf_zero.initialize", local_error, prints)  # see [Note: rank agreement]
-    resolved.log_summary(comm.rank)
-    if comm.rank == 0:
+    comm = _shard_groups(comm, resolved)
+    resolved.log_summary(comm.global_rank)
+    if comm.global_rank == 0:
         for warning in config_warnings(resolved.to_dict()):
             logger.warning("hf_zero config: %s", warning)
 
@@ -299,9 +300,10 @@ def initialize(
         raise
     if source_owner is not None:  # the weights are in the shards now; close the files
         source_owner.__dict__.pop(SOURCE_ATTRIBUTE, None)
-    if comm.rank == 0:
-        logger.info("hf_zero: %d units (%s), stage %d, world size %d",
-                    len(units), plan.rule, resolved.stage, comm.world_size)
+    if comm.global_rank == 0:
+        logger.info("hf_zero: %d units (%s), stage %d, world size %d%s",
+                    len(units), plan.rule, resolved.stage, comm.global_world_size,
+                    f" (shard groups of {comm.world_size}, {comm.replicas} replicas)" if comm.replicas > 1 else "")
 
     # [Note: param groups keep their places]
     # The sharded optimizer has exactly the user's param groups, in the user's order, empty ones
@@ -332,7 +334,7 @@ def initialize(
         zero_optimizer.loss_scaler = build_loss_scaler(**_loss_scaler_kwargs(resolved))
         zero_optimizer.skip_nonfinite = resolved.bf16.enabled and resolved.bf16.check_grad_overflow
         if offload.optimizer == "nvme":
-            zero_optimizer.nvme = _nvme_store(offload, comm.rank, trainable)
+            zero_optimizer.nvme = _nvme_store(offload, comm.global_rank, trainable)
         if offload.optimizer_on_host and can_overlap(inner, resolved.gradient_clipping, resolved.fp16.enabled,
                                                      nvme=offload.optimizer == "nvme"):
             zero_optimizer.overlapped = OverlappedOffloadStep(zero_optimizer, device)
@@ -377,6 +379,16 @@ def _join_group(device: torch.device, config: Any) -> tuple[Communicator, Any, E
                        "which was created before this hf_zero.initialize; set its timeout where it is created "
                        "(Accelerate: InitProcessGroupKwargs(timeout=...))", TIMEOUT_ENV, timeout)
     return Communicator(timeout_s=applied), parsed, local_error
+
+
+def _shard_groups(comm: Communicator, resolved: HfZeroConfig) -> Communicator:
+    """The communicator the units shard over: ``comm`` itself, or with ``mics_shard_size`` one
+    over groups of that many ranks ([Note: hybrid sharding] in hf_zero.comm.collectives). Made
+    after the ranks agreed on the config: making the groups is collective."""
+    size = int(resolved.zero.mics_shard_size)
+    if size <= 1 or size >= comm.global_world_size:
+        return comm
+    return Communicator(comm.group, timeout_s=comm.timeout_s, shard_size=size)
 
 
 def _lazy_source(model: nn.Module) -> tuple[ParamSource | None, nn.Module | None]:
@@ -492,7 +504,7 @@ def _nvme_param_store(config: HfZeroConfig, model: nn.Module, comm: Communicator
     per_rank = -(-sharded // comm.world_size)
     itemsize = torch.empty((), dtype=config.compute_dtype).element_size()
     return NvmeParamStore(
-        section.nvme_path, comm.rank, buffer_count=int(section.buffer_count),
+        section.nvme_path, comm.global_rank, buffer_count=int(section.buffer_count),
         buffer_numel=int(section.buffer_size), max_in_cpu=int(section.max_in_cpu),
         pin_memory=bool(section.pin_memory), needed_bytes=max(0, per_rank - int(section.max_in_cpu)) * itemsize,
     )
