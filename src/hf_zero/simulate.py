@@ -55,14 +55,15 @@ def reset_peak() -> int:
     return rss("VmRSS")
 
 
-def measure_step(engine: Any, input_ids: Any) -> dict[str, Any]:
+def measure_step(engine: Any, input_ids: Any, **inputs: Any) -> dict[str, Any]:
     """One forward, backward and step on ``input_ids`` (its own labels): the peak resident growth
     of the forward and backward over what the rank held before (its states), the time of all
-    three, and ``memory_report()`` after the step (every state category allocated)."""
+    three, and ``memory_report()`` after the step (every state category allocated). ``inputs``:
+    the model's other inputs (an image for a vision-language model)."""
     engine.reset_comm_stats()
     before = reset_peak()
     start = time.perf_counter()
-    loss = engine(input_ids=input_ids, labels=input_ids).loss
+    loss = engine(input_ids=input_ids, labels=input_ids, **inputs).loss
     engine.backward(loss)
     peak = rss("VmHWM") - before
     engine.step()

@@ -1,7 +1,7 @@
 """One rank of a simulated world of 8, 64, 512 and 4096 ranks, on real model shapes: torch's fake
 process group (``torch.testing._internal.distributed.fake_pg``: one process plays rank r of N and
 every collective completes at once without any other process) runs ``hf_zero.initialize`` on
-Llama-3-8B, Llama-3-70B and Mixtral-8x7B configs built with ``from_config`` under a live stage-3
+Llama-3-8B, Llama-3-70B, Mixtral-8x7B and Qwen2-VL-7B configs built with ``from_config`` under a live stage-3
 config, so loading is sharded ([Note: sharded initialisation] in hf_zero/engine/param_source.py).
 Layer counts are cut to one (the per-layer figures are what is checked; the vocabulary, hidden
 and expert sizes are the real ones), all in bf16.
@@ -64,11 +64,21 @@ MODELS: dict[str, dict[str, Any]] = {
     "mixtral-8x7b": dict(model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
                          num_hidden_layers=1, num_attention_heads=32, num_key_value_heads=8,
                          num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=False),
+    # Qwen2-VL-7B: a vision tower (one of its 32 blocks) and a merger beside the language model;
+    # its attention projections have biases, small enough to stay whole on every rank while the
+    # weights are sharded.
+    "qwen2-vl-7b": dict(model_type="qwen2_vl", architectures=["Qwen2VLForConditionalGeneration"],
+                        text_config=dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                                         num_hidden_layers=1, num_attention_heads=28, num_key_value_heads=4,
+                                         rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]}),
+                        vision_config=dict(depth=1, embed_dim=1280, hidden_size=3584, num_heads=16, mlp_ratio=4,
+                                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
+                        tie_word_embeddings=False),
 }
 # Forward, backward and step: 6-9 s for the 8B shape, 15 s for Mixtral, 27 s for 70B (run by
 # --step-every-model only) on 2 busy cores. At world 4096 the fake all-gather alone takes 10 s: it
 # writes every gathered buffer as 4096 copies of this rank's shard.
-STEPS = (("llama3-8b", 64), ("mixtral-8x7b", 64))
+STEPS = (("llama3-8b", 64), ("mixtral-8x7b", 64), ("qwen2-vl-7b", 64))
 EVERY_STEP = tuple((name, 64) for name in MODELS)
 STEP_TOKENS = 16
 # |estimate - measured| of the working set, as a fraction of the measurement: the issue's 10%.
@@ -97,18 +107,36 @@ COMPUTE_BYTES = 2  # bf16: [Note: memory formulas] in estimator.py
 def _build(shape: dict[str, Any]) -> Any:
     """``from_config`` under the live config: the model is on the meta device."""
     import torch
-    import transformers
 
-    values = dict(shape)
-    config = transformers.AutoConfig.for_model(values.pop("model_type"), **values)
-    return skip_random_init(transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16))
+    from hf_zero.estimator import meta_model
+
+    return skip_random_init(meta_model(shape, dtype=torch.bfloat16))
+
+
+# A vision-language step sees one image of 4 x 4 patches (one temporal patch), merged 2 x 2 into
+# 4 image tokens among the STEP_TOKENS: every unit, the vision tower's included, runs and gets
+# gradients, so every state category is allocated.
+IMAGE_GRID = (1, 4, 4)
 
 
 def _step(engine: Any) -> dict[str, Any]:
     """One forward, backward and step of STEP_TOKENS tokens: peak resident growth over the states."""
     import torch
 
-    return measure_step(engine, torch.arange(STEP_TOKENS).reshape(1, -1))
+    config = engine.module.config
+    ids = torch.arange(STEP_TOKENS).reshape(1, -1)
+    if getattr(config, "vision_config", None) is None:
+        return measure_step(engine, ids)
+    vision = config.vision_config
+    t, h, w = IMAGE_GRID
+    image_tokens = t * h * w // vision.spatial_merge_size ** 2
+    ids[0, 2] = config.vision_start_token_id
+    ids[0, 3:3 + image_tokens] = config.image_token_id
+    ids[0, 3 + image_tokens] = config.vision_end_token_id
+    patch = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
+    return measure_step(engine, ids, pixel_values=torch.zeros(t * h * w, patch, dtype=torch.bfloat16),
+                        image_grid_thw=torch.tensor([IMAGE_GRID]),
+                        mm_token_type_ids=(ids == config.image_token_id).int())
 
 
 def play(name: str, world: int, steps: tuple[tuple[str, int], ...] = STEPS) -> dict[str, Any]:

@@ -57,8 +57,30 @@ def _build_sharded() -> dict[str, Any]:
         out["std"] = {k: float(v.std()) for k, v in gathered.items()}
         out["mean"] = {k: float(v.mean()) for k, v in gathered.items()}
     del engine, model, gathered
+    out["biased"] = _biases_whole_weights_sharded()
     out.update(_peak_of_a_larger_build())
     return out
+
+
+def _biases_whole_weights_sharded() -> dict[str, Any]:
+    """Qwen2's attention projections have biases: with a persistence threshold between a bias and
+    its weight, one Linear's weight is sharded while its bias stays whole in another group, so the
+    bias is initialised after the weight was sharded. Returns the gathered q_proj's statistics
+    and a checksum of the whole model (the same on every rank)."""
+    import transformers
+
+    import hf_zero
+    from hf_zero.integrations._weights import gather_full_state_dict
+
+    config = transformers.Qwen2Config(vocab_size=1001, hidden_size=64, intermediate_size=161, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    live = hf_zero.HfZeroConfig({**ZERO3, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100}})
+    engine, *_ = hf_zero.initialize(model=transformers.AutoModelForCausalLM.from_config(config), config=live)
+    gathered = gather_full_state_dict(engine, rank0_only=False)
+    q_proj = "model.layers.0.self_attn.q_proj."
+    return {"weight_std": float(gathered[q_proj + "weight"].std()), "bias_max": float(gathered[q_proj + "bias"].abs().max()),
+            "checksum": float(sum(v.double().abs().sum() for v in gathered.values())),
+            "groups_kinds": sorted({g["persistent"] for g in engine.layout() if g["unit"] == "model.layers.0"})}
 
 
 def _rss_mb(field: str) -> float:
@@ -96,6 +118,10 @@ def test_from_config_is_sharded_with_the_plain_distribution():
         assert r["peak_mb"] < bound, f"+{r['peak_mb']:.1f} MiB per rank, bound {bound:.1f} MiB"
     r0 = results[0]
     assert r0["max_diff_to_one_rank"] == 0.0  # rank 1's half came from rank 0's seed too
+    biased = [r["biased"] for r in results]
+    assert biased[0]["groups_kinds"] == [False, True]  # the layer: sharded weights, whole biases and norms
+    assert biased[0]["checksum"] == biased[1]["checksum"]
+    assert biased[0]["bias_max"] == 0.0 and abs(biased[0]["weight_std"] - 0.02) < 0.002  # _init_weights' values
     torch.manual_seed(0)
     plain = AutoModelForCausalLM.from_config(_config()).state_dict()
     assert set(r0["std"]) == set(plain)

@@ -185,11 +185,7 @@ class InitSource:
     def _initialised(self, module_name: str, index: int) -> dict[str, torch.Tensor]:
         if self._cached is None or self._cached[0] != module_name:
             self._cached = None  # drop the previous module's values first
-            import copy
-
-            copy_ = copy.deepcopy(self._modules[module_name])
-            for child_name, _ in list(copy_.named_children()):
-                setattr(copy_, child_name, torch.nn.Identity())  # only its own parameters
+            copy_ = _bare_copy(self._modules[module_name])
             copy_.to_empty(device="cpu")
             with torch.random.fork_rng(devices=[]), torch.no_grad():
                 torch.manual_seed(self.base_seed + index)
@@ -201,3 +197,21 @@ class InitSource:
         index, module_name, attribute = self._owner[name]
         value = self._initialised(module_name, index)[attribute]
         out.copy_(value.detach().reshape(-1)[start:stop])
+
+
+def _bare_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A shallow copy of ``module`` with new meta parameters of the same shapes in place of its
+    own, its buffers, and its children replaced by ``Identity``: what its initialisation needs.
+    Not a deep copy: some of the module's parameters may be sharded already (a Linear whose
+    weight went to a sharded group and whose bias, small, to a persistent one, as in Qwen2's
+    attention), and a sharded parameter's values cannot be read, not even to copy them."""
+    import copy
+
+    bare = copy.copy(module)
+    bare._parameters = {
+        name: None if param is None else torch.nn.Parameter(
+            torch.empty(param.shape, dtype=param.dtype, device="meta"), requires_grad=param.requires_grad)
+        for name, param in module._parameters.items()}
+    bare._buffers = dict(module._buffers)
+    bare._modules = {name: torch.nn.Identity() for name in module._modules}
+    return bare
