@@ -82,7 +82,7 @@ from torch import nn
 
 from hf_zero.config.live import live_zero3_config
 from hf_zero.engine.buckets import IN_PLACE_NUMEL
-from hf_zero.engine.hooks import BUCKETS_IN_FLIGHT
+from hf_zero.engine.policy import BUCKETS_IN_FLIGHT
 from hf_zero.partition import ROOT_UNIT_NAME, build_flat_layout, is_persistent, plan_units
 
 COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -153,7 +153,7 @@ def group_stats(model: nn.Module, world_size: int, stage: int,
         reads = not (isinstance(spec.module, nn.Embedding) and type(spec.module).forward is nn.Embedding.forward)
         buckets: dict[tuple[bool, bool], list[tuple[str, nn.Parameter]]] = {}
         for name, param in spec.params:
-            kind = (param.requires_grad, is_persistent(param, stage, threshold))
+            kind = (param.requires_grad, is_persistent(param, stage == 3, threshold))
             buckets.setdefault(kind, []).append((name, param))
         for (trainable, persistent), named in buckets.items():
             layout = build_flat_layout(named, layout_world, persistent=persistent)

@@ -295,9 +295,9 @@ def plan_units(model: nn.Module, wrap_modules: Sequence[str] | None = None) -> U
 KEEP_GATHERED = "_hf_zero_keep_gathered"
 
 
-def is_persistent(param: torch.Tensor, stage: int, persistence_threshold: int) -> bool:
-    """Under stage 3, parameters at or below the threshold stay gathered (DeepSpeed's
-    ``stage3_param_persistence_threshold``): gathering many tiny tensors costs more in latency
-    than it saves in memory. A parameter marked ``KEEP_GATHERED`` stays gathered whatever its size
+def is_persistent(param: torch.Tensor, shards_params: bool, persistence_threshold: int) -> bool:
+    """When parameters are sharded (``shards_params``: stage 3), those at or below the threshold
+    stay gathered (DeepSpeed's ``stage3_param_persistence_threshold``): gathering many tiny
+    tensors costs more in latency than it saves in memory. A parameter marked ``KEEP_GATHERED`` stays gathered whatever its size
     (a PEFT adapter: see ``initialize._keep_adapters_gathered``)."""
-    return stage == 3 and (param.numel() <= persistence_threshold or getattr(param, KEEP_GATHERED, False))
+    return shards_params and (param.numel() <= persistence_threshold or getattr(param, KEEP_GATHERED, False))

@@ -12,6 +12,7 @@ from torch import nn
 from hf_zero import partition
 from hf_zero.comm import Communicator
 from hf_zero.engine.flat_group import FlatParamGroup, GroupKind
+from hf_zero.engine.policy import ShardingPolicy
 from hf_zero.partition import build_flat_layout
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -70,7 +71,7 @@ def test_the_earlier_layout_is_the_same_rule_without_alignment(monkeypatch):
 def test_a_flat_group_binds_aligned_parameters_and_gradients(dtype, stage):
     model = odd_model()
     group = FlatParamGroup("odd#0", list(model.named_parameters()), GroupKind(True, False, 0), Communicator(),
-                           stage, dtype, torch.device("cpu"))
+                           ShardingPolicy.for_stage(stage), dtype, torch.device("cpu"))
     group.unshard()  # stage 3: gather the full buffer (a no-op otherwise)
     group.prepare_grads()
     for name, param in model.named_parameters():

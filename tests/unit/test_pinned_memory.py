@@ -7,13 +7,15 @@ import pytest
 
 from hf_zero.config import HfZeroConfig
 from hf_zero.engine.initialize import _offload_settings
+from hf_zero.engine.policy import ShardingPolicy
 from hf_zero.transfer import pinned_block_bytes
 
 
 def _settings(zero: dict) -> object:
     config = HfZeroConfig({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, **zero},
                            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
-    return _offload_settings(config.resolve(world_size=2), None)
+    resolved = config.resolve(world_size=2)
+    return _offload_settings(resolved, None, ShardingPolicy.from_config(resolved))
 
 
 @pytest.mark.parametrize("opt_pin,param_pin", [(True, False), (False, True), (False, False), (True, True)])

@@ -89,7 +89,7 @@ def start_bucket(
     send = torch.empty(sum(g.layout.padded_numel for g in groups), dtype=reduce_dtype,
                        device=groups[0].grad_full.device)
     average = plan_average(reduce_dtype, comm, send.device)
-    if groups[0].stage == 0:
+    if not groups[0].policy.shards_optimizer_state:
         return _start_all_reduce(groups, comm, send, average, async_op)
     pack_for_reduce_scatter([g.grads_to_reduce() for g in groups], world, send, scale=1.0 / average.pre_divisor)
     for group in groups:
@@ -203,7 +203,7 @@ def all_gather_updated(groups: list[FlatParamGroup], comm: Communicator, bucket_
     persistent stage-3 groups), one all-gather per bucket (see [Note: buckets])."""
     if not comm.active:
         return
-    eligible = [g for g in groups if g.stage != 0 and not g.shards_params]
+    eligible = [g for g in groups if g.policy.shards_optimizer_state and not g.sharded_between_uses]
     for bucket in split_buckets(eligible, bucket_numel):
         if len(bucket) == 1:
             bucket[0].gather_updated_shards()  # in place: the shard is a view of the full buffer

@@ -72,10 +72,10 @@ def cuda_graphs_requested(backend: str, compile_kwargs: dict[str, Any]) -> str |
     return None
 
 
-def refuse_cuda_graphs_at_stage3(stage: int, backend: str, compile_kwargs: dict[str, Any]) -> None:
-    """[Note: no CUDA graphs under stage 3]."""
+def refuse_cuda_graphs_at_stage3(shards_params: bool, backend: str, compile_kwargs: dict[str, Any]) -> None:
+    """[Note: no CUDA graphs under stage 3]: refused when the policy shards parameters."""
     requested = cuda_graphs_requested(backend, compile_kwargs)
-    if stage == 3 and requested is not None:
+    if shards_params and requested is not None:
         raise NotImplementedError(
             f"engine.compile with {requested} records CUDA graphs, which replay fixed memory addresses, but ZeRO "
             "stage 3 gathers every unit's parameters into a new buffer each step and frees it after the unit: "
@@ -85,10 +85,11 @@ def refuse_cuda_graphs_at_stage3(stage: int, backend: str, compile_kwargs: dict[
             "backend='cudagraphs'; or train at stage 2, whose parameters stay in place.")
 
 
-def compile_units(unit_modules: list[nn.Module], backend: str, compile_kwargs: dict[str, Any], stage: int) -> int:
+def compile_units(unit_modules: list[nn.Module], backend: str, compile_kwargs: dict[str, Any],
+                  shards_params: bool) -> int:
     """Compile the forward of every unit module not compiled yet; returns how many were. Refuses
     CUDA graphs at stage 3 before compiling anything ([Note: no CUDA graphs under stage 3])."""
-    refuse_cuda_graphs_at_stage3(stage, backend, compile_kwargs)
+    refuse_cuda_graphs_at_stage3(shards_params, backend, compile_kwargs)
     compiled = 0
     for module in unit_modules:
         if is_compiled(module):

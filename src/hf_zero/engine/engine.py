@@ -16,6 +16,7 @@ from hf_zero.engine.compiled_units import compile_units, is_compiled, training_w
 from hf_zero.engine.hooks import UnitProtocol
 from hf_zero.engine.memory import format_memory_table, memory_report
 from hf_zero.engine.optimizer import ZeroOptimizer
+from hf_zero.engine.policy import ShardingPolicy
 from hf_zero.engine.rank_agreement import RankDisagreementError
 from hf_zero.engine.timers import PhaseTimers
 from hf_zero.engine.unit import ZeroUnit
@@ -42,6 +43,7 @@ class ZeroEngine(nn.Module):
         optimizer: ZeroOptimizer | None,
         lr_scheduler: Any,
         buffers: BufferPool,
+        policy: ShardingPolicy,
     ) -> None:
         super().__init__()
         self.module = module
@@ -52,7 +54,8 @@ class ZeroEngine(nn.Module):
         self.unit_rule = unit_rule
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
-        self.stage = config.stage
+        self.stage = config.stage  # reported (checkpoints, integrations); nothing decides on it
+        self.policy = policy  # what is sharded and when: [Note: sharding policy]
         self.global_steps = 0
         self.micro_steps = 0
         self.global_samples = 0
@@ -67,16 +70,13 @@ class ZeroEngine(nn.Module):
         self._timers = PhaseTimers(device) if config.wall_clock_breakdown else None
         self.protocol = UnitProtocol(
             units,
-            stage=self.stage,
+            policy=policy,
             comm=comm,
             reduce_dtype=config.reduce_dtype,
-            prefetch_numel=int(config.zero.stage3_prefetch_bucket_size) if self.stage == 3 else 0,
             max_live_numel=int(config.zero.stage3_max_live_parameters),
             is_boundary=self.is_gradient_accumulation_boundary,
-            overlap_comm=bool(config.zero.overlap_comm) and self.stage >= 2,
             timers=self._timers,
             reduce_bucket_numel=int(config.zero.reduce_bucket_size),
-            max_reuse_numel=int(config.zero.stage3_max_reuse_distance) if self.stage == 3 else 0,
             grad_accum_dtype=config.grad_accum_dtype,
             buffers=buffers,
         )
@@ -256,7 +256,8 @@ class ZeroEngine(nn.Module):
         CUDA graphs under stage 3])."""
         kwargs = dict(compile_kwargs or {})
         kwargs.pop("backend", None)
-        count = compile_units([u.module for u in self.units[:-1]], backend, kwargs, stage=self.stage)
+        count = compile_units([u.module for u in self.units[:-1]], backend, kwargs,
+                              shards_params=self.policy.shards_params)
         if count and self._cache_hook is None:
             self._cache_hook = training_without_cache(self.module)
         logger.info("hf_zero: compiled the forward of %d units with backend %s", count, backend)
@@ -277,7 +278,7 @@ class ZeroEngine(nn.Module):
             self.optimizer.zero_grad()
         for unit in self.units:
             for group in unit.groups:
-                if self.stage != 0:
+                if self.policy.shards_optimizer_state:  # else the all-reduce's buffer stays
                     group.release_grads()
 
     # ------------------------------------------------------------------ full parameters
@@ -309,7 +310,7 @@ class ZeroEngine(nn.Module):
                         for group in unit.groups:
                             self.comm.broadcast_(group.full, src=modifier_rank, label=f"{group.label}.modify")
                             group.refresh_from_full()
-            if self.stage == 3:
+            if self.policy.shards_params:
                 for unit in units:
                     unit.reshard()
 

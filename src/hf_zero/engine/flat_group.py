@@ -29,6 +29,7 @@ from hf_zero.engine.buffer_pool import BufferPool, allocate_storage, free_storag
 from hf_zero.engine.grad_average import plan_average, post_divisor
 from hf_zero.engine.param_source import ParamSource
 from hf_zero.engine.param_usage import shard_segments
+from hf_zero.engine.policy import ShardingPolicy
 from hf_zero.engine.sharded_param import mark_gathered, mark_sharded
 from hf_zero.execution import execution_for
 from hf_zero.offload import NvmeShard, OffloadSettings
@@ -52,7 +53,7 @@ class GroupKind:
     """What decides how a group of parameters is handled."""
 
     trainable: bool
-    persistent: bool  # stage 3 only: stays gathered between steps
+    persistent: bool  # with policy.shards_params only: stays gathered between steps
     param_group_index: int  # the optimizer param group it steps in
 
 
@@ -60,9 +61,11 @@ class FlatParamGroup:
     """The parameters of one unit that share a :class:`GroupKind`, in one padded flat buffer
     split into ``world_size`` equal shards (rank r owns shard r).
 
-    Stage 0 keeps everything full and all-reduces gradients; stages 1-2 keep parameters full and
-    own one shard of the optimizer state (and, for stage 2, of the gradients); stage 3 also keeps
-    only its parameter shard outside :meth:`unshard` / :meth:`reshard`.
+    What it shards is its :class:`ShardingPolicy`'s ([Note: sharding policy]): without
+    ``shards_optimizer_state`` (stage 0) it keeps everything full and all-reduces gradients; with
+    it, it owns one shard of the optimizer state (``shards_gradients``: of the gradients too);
+    with ``shards_params`` (stage 3) a group that is not persistent also keeps only its parameter
+    shard outside :meth:`unshard` / :meth:`reshard` (:attr:`sharded_between_uses`).
     """
 
     def __init__(
@@ -71,7 +74,7 @@ class FlatParamGroup:
         named_params: list[tuple[str, nn.Parameter]],
         kind: GroupKind,
         comm: Communicator,
-        stage: int,
+        policy: ShardingPolicy,
         compute_dtype: torch.dtype,
         device: torch.device,
         source: ParamSource | None = None,
@@ -85,17 +88,19 @@ class FlatParamGroup:
         self.offload = offload
         self.kind = kind
         self.comm = comm
-        self.stage = stage
+        self.policy = policy
         self.params = [p for _, p in named_params]
-        shard_world = 1 if stage == 0 else comm.world_size
-        persistent = stage == 3 and kind.persistent  # padded less: [Note: alignment in flat buffers]
+        shard_world = comm.world_size if policy.shards_optimizer_state else 1
+        persistent = policy.shards_params and kind.persistent  # padded less: [Note: alignment in flat buffers]
         self.layout: FlatLayout = build_flat_layout(named_params, shard_world, persistent)
-        self.shards_params = stage == 3 and not kind.persistent
-        if self.shards_params:
+        # This group's parameters are only a shard outside use (gathered around it, then freed):
+        # the policy shards parameters and the group is not persistent.
+        self.sharded_between_uses = policy.shards_params and not kind.persistent
+        if self.sharded_between_uses:
             self.buffers.register(self.layout.padded_numel * compute_dtype.itemsize, self)
         lo, hi = self.shard_range
         lazy = source is not None and any(p.is_meta for p in self.params)
-        if lazy and self.shards_params:
+        if lazy and self.sharded_between_uses:
             # Sharded loading: read only this rank's ranges; the full buffer is never touched
             # (torch.empty leaves its pages unallocated) and freed at once.
             self.full = torch.empty(self.layout.padded_numel, dtype=compute_dtype, device=device)
@@ -107,17 +112,17 @@ class FlatParamGroup:
             self.full = self._flatten(compute_dtype, device, source if lazy else None)
             self._bind_param_views()
             # See [Note: views into flat buffers].
-            shard = self.full[lo:hi].clone() if self.shards_params else self.full[lo:hi]
-            if self.shards_params:
+            shard = self.full[lo:hi].clone() if self.sharded_between_uses else self.full[lo:hi]
+            if self.sharded_between_uses:
                 self._free_full()
         # offload_param: the compute shard waits on the host between gathers (stage 3), or in a
         # file (see [Note: NVMe parameter offload] in hf_zero.offload.nvme_params).
         # See [Note: shard stores]; the device store until the master is made from it.
         self.store: ShardStore = DeviceShard(shard)
         nvme_shard: NvmeShard | None = None
-        if offload.params == "nvme" and self.shards_params:
+        if offload.params == "nvme" and self.sharded_between_uses:
             nvme_shard = offload.param_store.register(label, shard)
-        leaves_device = offload.params_on_host and self.shards_params
+        leaves_device = offload.params_on_host and self.sharded_between_uses
         self.nvme_index: int | None = None  # set when an NVMe store holds this group's state
         self.nvme_store: Any = None  # that NvmeOptimizerStore (offload_optimizer nvme)
         self._pending_gather: Handle | None = None
@@ -146,7 +151,7 @@ class FlatParamGroup:
     # ----------------------------------------------------------------- construction
     @property
     def shard_range(self) -> tuple[int, int]:
-        rank = 0 if self.stage == 0 else self.comm.rank
+        rank = self.comm.rank if self.policy.shards_optimizer_state else 0
         return self.layout.shard_range(rank)
 
     def _flatten(self, dtype: torch.dtype, device: torch.device, source: ParamSource | None) -> torch.Tensor:
@@ -215,7 +220,7 @@ class FlatParamGroup:
             self.master = self.shard.to(torch.float32, copy=True)
         else:
             self.master = self.shard if compute_dtype == torch.float32 else self.shard.float()
-        if self.stage == 0:
+        if not self.policy.shards_optimizer_state:  # all-reduced in place, kept for the run
             self.grad_full = torch.zeros(self.layout.padded_numel, dtype=compute_dtype, device=device)
         else:
             # Freed at once below, so never written: zeroing it would make every page resident
@@ -223,10 +228,10 @@ class FlatParamGroup:
             # (prepare_grads zeroes it when a backward first needs it).
             self.grad_full = torch.empty(self.layout.padded_numel, dtype=compute_dtype, device=device)
             self.buffers.register(storage_bytes(self.grad_full), self)
-        if self.stage == 0 and compute_dtype == torch.float32:
+        if not self.policy.shards_optimizer_state and compute_dtype == torch.float32:
             self.grad_shard = self.grad_full  # all-reduced in place, already fp32
             self.master.grad = self.grad_shard
-        if self.stage != 0:
+        if self.policy.shards_optimizer_state:
             self.release_grads()
         # Otherwise the fp32 gradient shard is allocated by the first reduction: right after
         # initialize a rank holds its parameter shards and nothing else (see sharded loading).
@@ -252,7 +257,7 @@ class FlatParamGroup:
     def unshard(self, async_op: bool = False) -> None:
         """Gather the full parameters (stage 3). Idempotent; ``wait_unshard`` finishes an
         asynchronous gather."""
-        if not self.shards_params or self._pending_gather is not None:
+        if not self.sharded_between_uses or self._pending_gather is not None:
             return
         if not self.buffers.acquire(self.full):
             return
@@ -274,7 +279,7 @@ class FlatParamGroup:
             mark_gathered(self.params)
 
     def reshard(self) -> None:
-        if self.shards_params:
+        if self.sharded_between_uses:
             self.wait_unshard()
             self._free_full()
 
@@ -287,7 +292,7 @@ class FlatParamGroup:
     def gather_updated_shards(self) -> None:
         """After the optimizer step, bring every rank's updated shard into the full buffer
         (stages 1-2, and persistent stage-3 groups); sharded stage-3 groups gather lazily."""
-        if self.stage == 0 or self.shards_params:
+        if not self.policy.shards_optimizer_state or self.sharded_between_uses:
             return
         lo, hi = self.shard_range
         self.comm.all_gather_into(self.full, self.full[lo:hi], label=f"{self.label}.step")
@@ -296,7 +301,7 @@ class FlatParamGroup:
         """The full buffer was changed from outside (``gathered_parameters`` with a modifier):
         make the shard and the master agree with it."""
         lo, hi = self.shard_range
-        if self.shards_params:
+        if self.sharded_between_uses:
             self.write_compute_shard(self.full[lo:hi])
         if self.nvme_store is not None:
             self.nvme_store.store_master(self.nvme_index, self.full[lo:hi])
@@ -388,7 +393,7 @@ class FlatParamGroup:
         average = plan_average(reduce_dtype, self.comm, send.device)
         if average.pre_divisor > 1:
             send.div_(average.pre_divisor)
-        if self.stage == 0:
+        if not self.policy.shards_optimizer_state:
             handle = self.comm.all_reduce_into(send, label=self.label, op=average.op, async_op=async_op)
             return PendingReduce(handle, send, send)
         if self.reduces_into_pool:  # [Note: the buffer pool]
@@ -411,7 +416,7 @@ class FlatParamGroup:
         received = pending.received
         if self.grad_shard is not None and self.grad_shard.data_ptr() != received.data_ptr():
             self.accept_reduced(received, post_divisor(received.dtype, self.comm.data_parallel_size))
-        if self.stage != 0:
+        if self.policy.shards_optimizer_state:
             if self.reduces_into_pool:
                 self.buffers.give_back(received)  # added into the gradient shard
             self.release_grads()
@@ -480,7 +485,7 @@ class FlatParamGroup:
         self.land_host_grads()  # a copy in flight must not land in the next step's shard
         if self.grad_shard is not None:
             self.grad_shard.zero_()
-        if self.stage == 0 and self.grad_full is not None:
+        if not self.policy.shards_optimizer_state and self.grad_full is not None:
             self.grad_full.zero_()
 
     # ----------------------------------------------------------------- reporting

@@ -149,6 +149,7 @@ from hf_zero.comm import Communicator
 from hf_zero.engine.buffer_pool import BufferPool
 from hf_zero.engine.buckets import PendingBucket, ReduceSchedule, finish_bucket, start_bucket
 from hf_zero.engine.flat_group import FlatParamGroup
+from hf_zero.engine.policy import ShardingPolicy
 from hf_zero.engine.timers import PhaseTimers
 from hf_zero.engine.unit import GradState, ParamState, ZeroUnit
 
@@ -169,49 +170,41 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(value)
 
 
-# Gradient buckets whose reduction may be in flight at once (stages 0, 1 and 3; [Note: the
-# shared schedule]).
-BUCKETS_IN_FLIGHT = 2
-
-
 class UnitProtocol:
     """Installs and runs [Note: the unit protocol] over a model's units (root unit last), along
-    [Note: the shared schedule]."""
+    [Note: the shared schedule], as its :class:`ShardingPolicy` says ([Note: sharding policy])."""
 
     def __init__(
         self,
         units: list[ZeroUnit],
-        stage: int,
+        policy: ShardingPolicy,
         comm: Communicator,
         reduce_dtype: torch.dtype,
-        prefetch_numel: int,
         max_live_numel: int,
         is_boundary: Callable[[], bool],
         buffers: BufferPool,
-        overlap_comm: bool = False,
         timers: PhaseTimers | None = None,
         reduce_bucket_numel: int = 0,
-        max_reuse_numel: int = 0,
         grad_accum_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.units = units
         # Let go of its idle buffers at the phase boundaries ([Note: the buffer pool]).
         self.buffers = buffers
         self.root = units[-1]
-        self.stage = stage
+        self.policy = policy
         self.comm = comm
         self.reduce_dtype = reduce_dtype
-        self.grad_accum_dtype = grad_accum_dtype  # stages 0-1: what micro-steps sum in (fold_grads)
-        self.prefetch_numel = prefetch_numel
+        # Without policy.shards_gradients: what micro-steps sum in (fold_grads).
+        self.grad_accum_dtype = grad_accum_dtype
+        self.prefetch_numel = policy.prefetch_numel
         self.max_live_numel = max_live_numel
-        self.max_reuse_numel = max_reuse_numel
-        self.overlap_comm = overlap_comm
+        self.max_reuse_numel = policy.max_reuse_numel
         self.timers = timers  # wall_clock_breakdown; None when off
         self.is_boundary = is_boundary
         # Called with groups whose fp32 gradient shard is final at the accumulation boundary.
         self.on_grads_final: Callable[[list[FlatParamGroup]], None] | None = None
         # Raises unless every rank starts the phase named together ([Note: phases in step]);
-        # the engine sets it. Stage 3 only: the phases here run collectives only there.
+        # the engine sets it. With policy.shards_params only: the phases here run collectives only there.
         self.check_in: Callable[[str], None] = lambda phase: None
         self.handles: list[RemovableHandle] = []
         self.finish_queued = False
@@ -251,10 +244,10 @@ class UnitProtocol:
                         param.register_post_accumulate_grad_hook(self._hook_post_accumulate(unit, group, index))
                     )
 
-        if self.stage == 3:
+        if self.policy.shards_params:
             for unit in self.units[:-1]:
                 for group in unit.groups:
-                    if group.shards_params:
+                    if group.sharded_between_uses:
                         for param in group.params:
                             param._hf_zero_gather_on_read = partial(self.gather_on_read, unit)
 
@@ -287,7 +280,7 @@ class UnitProtocol:
     def _hook_pre_forward(self, unit: ZeroUnit) -> Callable:
         def hook(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
             self.pre_forward(unit)
-            if self.stage == 3 and unit.has_frozen_sharded and torch.is_grad_enabled():
+            if self.policy.shards_params and unit.has_frozen_sharded and torch.is_grad_enabled():
                 self._hook_inputs(unit, (args, kwargs))
 
         return hook
@@ -330,7 +323,7 @@ class UnitProtocol:
 
     # ------------------------------------------------------------------ forward
     def pre_forward(self, unit: ZeroUnit) -> None:
-        if self.stage != 3:
+        if not self.policy.shards_params:
             return
         if _in_backward():  # an activation-checkpointing recompute: gather, no prefetch
             self._timed("gather", unit.unshard)
@@ -365,7 +358,7 @@ class UnitProtocol:
         self._prefetch(self.forward_order, start, self._live_numel())
 
     def post_forward(self, unit: ZeroUnit, output: Any) -> None:
-        if self.stage == 3 and not _in_backward():
+        if self.policy.shards_params and not _in_backward():
             if unit is self.root and self.forward_cursor <= len(self.forward_order):
                 self._catch_up_forward(len(self.forward_order))
                 self.forward_cursor = len(self.forward_order)
@@ -400,7 +393,7 @@ class UnitProtocol:
         return hook
 
     def _open_backward(self) -> None:
-        if self.stage == 3:
+        if self.policy.shards_params:
             self.check_in("backward")
         self.backward_open = True
         self.backward_cursor = 0
@@ -436,10 +429,10 @@ class UnitProtocol:
 
     def _visit_backward(self, unit: ZeroUnit, runs: bool) -> None:
         unit.backward_visited = True
-        if self.stage == 3:
+        if self.policy.shards_params:
             self._timed("gather", self._gather_backward, unit)
         if not runs:
-            if self.stage == 3:
+            if self.policy.shards_params:
                 unit.reshard()
             if unit.grad_state is GradState.IDLE:
                 self._grads_ready(unit)
@@ -479,7 +472,7 @@ class UnitProtocol:
 
     def _grads_ready(self, unit: ZeroUnit) -> None:
         unit.move_grads(GradState.READY)
-        if self.stage >= 2 or self.is_boundary():  # stages 0-1 reduce at the boundary only
+        if self.policy.shards_gradients or self.is_boundary():  # else at the boundary only
             for bucket in self.reductions.ready_buckets():
                 self._timed("reduce", self._launch, bucket)
 
@@ -488,14 +481,12 @@ class UnitProtocol:
         at most ``BUCKETS_IN_FLIGHT`` in flight ([Note: the shared schedule]; stages 0-1
         only in the boundary's backward, as DDP's reducer overlaps its buckets with the rest of
         the backward); stage 2 with overlap_comm keeps one; otherwise it is done before this
-        returns."""
-        async_op = self.stage != 2 or self.overlap_comm
-        if self.stage != 2:
-            self._collect_finished()
-            while len(self.in_flight) >= BUCKETS_IN_FLIGHT:
-                self._finish(self.in_flight.pop(0))
-        else:
-            self._finish_in_flight()
+        returns: ``policy.reductions_in_flight``."""
+        limit = self.policy.reductions_in_flight
+        async_op = limit > 0
+        self._collect_finished()
+        while len(self.in_flight) >= max(limit, 1):
+            self._finish(self.in_flight.pop(0))
         pending = start_bucket(groups, self.comm, self.reduce_dtype, async_op)
         for unit in {id(g.owner): g.owner for g in groups}.values():
             if unit.grad_state is GradState.READY:
@@ -533,16 +524,16 @@ class UnitProtocol:
         for unit in self.units:
             if unit.grad_state in (GradState.IDLE, GradState.ACCUMULATING):
                 unit.move_grads(GradState.READY)  # partly used, or not used on this rank: zeros
-        if self.stage <= 1 and not self.is_boundary():
+        if not self.policy.shards_gradients and not self.is_boundary():
             for unit in self.units:  # 16-bit gradients summed in fp32 across micro-steps
                 for group in unit.trainable_groups:
                     group.fold_grads(self.grad_accum_dtype)
-        if self.stage >= 2 or self.is_boundary():
+        if self.policy.shards_gradients or self.is_boundary():
             for bucket in self.reductions.remaining():
                 self._timed("reduce", self._launch, bucket)
             self._timed("reduce", self._finish_in_flight)
         for unit in self.units:
-            if self.stage == 3:
+            if self.policy.shards_params:
                 unit.reshard()
             unit.reset_backward_state()
         self.read_for_backward.clear()
@@ -551,13 +542,13 @@ class UnitProtocol:
 
     def _maybe_release(self, unit: ZeroUnit) -> None:
         """Free a stage-3 unit once its backward is done: [Note: releasing a unit in backward]."""
-        if (self.stage == 3 and unit.backward_visited and unit.pending_grads == 0
+        if (self.policy.shards_params and unit.backward_visited and unit.pending_grads == 0
                 and (unit.inputs_done or not unit.input_signal)):
             unit.reshard()
 
     def release_all(self) -> None:
         """Free every gathered stage-3 unit (before an optimizer step; see [Note: reuse distance])."""
-        if self.stage == 3:
+        if self.policy.shards_params:
             for unit in self.units:
                 unit.reshard()
             self.read_for_backward.clear()
@@ -565,10 +556,15 @@ class UnitProtocol:
 
     # ------------------------------------------------------------------ reuse
     def _keep_for_backward(self, unit: ZeroUnit) -> bool:
-        """Whether ``unit`` stays gathered until its backward: [Note: reuse distance]."""
-        if self.max_reuse_numel <= 0 or not self.training_pass or not unit.sharded_numel:
+        """Whether ``unit`` stays gathered until its backward: [Note: reuse distance]; always
+        in a pass with autograd when the policy does not reshard after the forward."""
+        if not self.training_pass or not unit.sharded_numel:
             return False
         if not unit.backward_reads_params:  # see [Note: units whose backward reads no parameter]
+            return False
+        if not self.policy.reshard_after_forward:
+            return True
+        if self.max_reuse_numel <= 0:
             return False
         if 2 * self.numel_after[unit.index] >= self.max_reuse_numel:
             return False

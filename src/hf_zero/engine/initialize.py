@@ -16,7 +16,7 @@ from hf_zero.config.validate import config_warnings
 from hf_zero.engine.deferred_load import disarm_materialisation, find_source, initialise_new_adapters
 from hf_zero.engine.buffer_pool import BufferPool, hand_back_free_heap_pages
 from hf_zero.engine.engine import ZeroEngine
-from hf_zero.engine.hooks import BUCKETS_IN_FLIGHT
+from hf_zero.engine.policy import BUCKETS_IN_FLIGHT, ShardingPolicy
 from hf_zero.engine.loss_scaler import build_loss_scaler
 from hf_zero.engine.muon import MuonWithAuxAdamW, muon_param_groups
 from hf_zero.engine.optimizer import ZeroAdam, ZeroOptimizer
@@ -278,17 +278,17 @@ def initialize(
             model_parameters = _config_muon_groups(resolved, model)
         param_group_of, hyper = _param_group_index(model, optimizer, model_parameters)
         plan = plan_units(model, resolved.zero.wrap_modules)
-    threshold = int(resolved.zero.stage3_param_persistence_threshold) if resolved.stage == 3 else 0
-    offload = _offload_settings(resolved, optimizer)
+    policy = ShardingPolicy.from_config(resolved)  # the one place a stage is read: [Note: sharding policy]
+    offload = _offload_settings(resolved, optimizer, policy)
     if offload.optimizer_on_host:  # see [Note: gradients copied to the host]
         offload = dataclasses.replace(offload, grad_copies=HostGradCopies())
     if offload.params == "nvme":
-        offload = dataclasses.replace(offload, param_store=_nvme_param_store(resolved, model, comm, threshold))
+        offload = dataclasses.replace(offload, param_store=_nvme_param_store(resolved, model, comm, policy))
     unit_offloads = _offload_by_unit(resolved, offload, plan.units)
-    buffers = _buffer_pool(resolved, device)
+    buffers = _buffer_pool(resolved, device, policy)
     try:
         units = [
-            ZeroUnit(i, spec, param_group_of, comm, resolved.stage, resolved.compute_dtype, device, threshold,
+            ZeroUnit(i, spec, param_group_of, comm, policy, resolved.compute_dtype, device,
                      source, unit_offloads[i], buffers)
             for i, spec in enumerate(plan.units)
         ]
@@ -328,7 +328,7 @@ def initialize(
         inner = _build_inner_optimizer(resolved, optimizer, shard_groups) if trainable else None
     zero_optimizer = None
     if inner is not None:
-        zero_optimizer = ZeroOptimizer(inner, trainable, comm, resolved.gradient_clipping, resolved.stage,
+        zero_optimizer = ZeroOptimizer(inner, trainable, comm, resolved.gradient_clipping, policy,
                                        allgather_bucket_numel=int(resolved.zero.allgather_bucket_size))
         zero_optimizer.whole_params = whole_params
         zero_optimizer.loss_scaler = build_loss_scaler(**_loss_scaler_kwargs(resolved))
@@ -341,7 +341,7 @@ def initialize(
     scheduler = _build_scheduler(resolved, zero_optimizer, lr_scheduler)
     buffers.release_idle()  # a phase boundary: [Note: the buffer pool]
     hand_back_free_heap_pages()  # [Note: the heap after loading]
-    engine = ZeroEngine(model, resolved, comm, device, units, plan.rule, zero_optimizer, scheduler, buffers)
+    engine = ZeroEngine(model, resolved, comm, device, units, plan.rule, zero_optimizer, scheduler, buffers, policy)
     dataloader = _build_dataloader(training_data, resolved, comm, collate_fn)
     return engine, zero_optimizer, dataloader, scheduler
 
@@ -458,11 +458,11 @@ def _place_buffers(model: nn.Module, device: torch.device, comm: Communicator, s
                 comm.broadcast_(buf, src=0, label=f"buffer.{name}")
 
 
-def _offload_settings(config: HfZeroConfig, optimizer: OptimizerArg) -> OffloadSettings:
+def _offload_settings(config: HfZeroConfig, optimizer: OptimizerArg, policy: ShardingPolicy) -> OffloadSettings:
     zero = config.zero
     opt = zero.offload_optimizer.device if zero.offload_optimizer is not None else "none"
     params = zero.offload_param.device if zero.offload_param is not None else "none"
-    if opt != "none" and config.stage == 0:
+    if opt != "none" and not policy.shards_optimizer_state:
         raise NotImplementedError(
             "zero_optimization.offload_optimizer needs ZeRO stage 1, 2 or 3 (as in DeepSpeed); "
             "set zero_optimization.stage")
@@ -495,12 +495,13 @@ def _nvme_store(offload: OffloadSettings, rank: int, groups: list[Any]) -> NvmeO
     return store
 
 
-def _nvme_param_store(config: HfZeroConfig, model: nn.Module, comm: Communicator, threshold: int) -> NvmeParamStore:
+def _nvme_param_store(config: HfZeroConfig, model: nn.Module, comm: Communicator,
+                      policy: ShardingPolicy) -> NvmeParamStore:
     """The rank's store for ``offload_param.device: "nvme"``, created (and ``nvme_path``
     checked for the shard bytes beyond ``max_in_cpu``) before any unit is built."""
     section = config.zero.offload_param
     sharded = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()
-                  if not is_persistent(p, config.stage, threshold))
+                  if not is_persistent(p, policy.shards_params, policy.persistence_threshold))
     per_rank = -(-sharded // comm.world_size)
     itemsize = torch.empty((), dtype=config.compute_dtype).element_size()
     return NvmeParamStore(
@@ -510,11 +511,10 @@ def _nvme_param_store(config: HfZeroConfig, model: nn.Module, comm: Communicator
     )
 
 
-def _buffer_pool(config: HfZeroConfig, device: torch.device) -> BufferPool:
+def _buffer_pool(config: HfZeroConfig, device: torch.device, policy: ShardingPolicy) -> BufferPool:
     """The engine's unit buffers ([Note: the buffer pool]), with room for what the schedule frees
     before it allocates again: the stage-3 prefetch bucket and the gradient buckets in flight."""
-    prefetch = int(config.zero.stage3_prefetch_bucket_size) if config.stage == 3 else 0
-    return BufferPool(device, prefetch_bytes=prefetch * config.compute_dtype.itemsize,
+    return BufferPool(device, prefetch_bytes=policy.prefetch_numel * config.compute_dtype.itemsize,
                       buffers_in_flight=BUCKETS_IN_FLIGHT)
 
 

@@ -21,6 +21,7 @@ from hf_zero.comm import Communicator
 from hf_zero.engine.buckets import all_gather_updated
 from hf_zero.engine.flat_group import FlatParamGroup
 from hf_zero.engine.param_usage import Segment, advanced_steps, step_runs, unused_ranges
+from hf_zero.engine.policy import ShardingPolicy
 from hf_zero.transfer import assert_not_host, is_host_store, mark_host, to_compute
 
 logger = logging.getLogger("hf_zero")
@@ -112,7 +113,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         groups: list[FlatParamGroup],
         comm: Communicator,
         gradient_clipping: float,
-        stage: int,
+        policy: ShardingPolicy,
         allgather_bucket_numel: int = 0,
     ) -> None:
         # Deliberately not Optimizer.__init__: the param groups are the inner optimizer's, shared.
@@ -121,7 +122,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.groups = [g for g in groups if g.kind.trainable]
         self.comm = comm
         self.gradient_clipping = gradient_clipping
-        self.stage = stage
+        self.policy = policy  # [Note: sharding policy]
         self.allgather_bucket_numel = allgather_bucket_numel  # see [Note: buckets]
         self.loss_scaler: Any = None  # set by the engine for fp16
         # [Note: non-finite steps] below: skip (bf16.check_grad_overflow) or raise
@@ -166,7 +167,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.inner.state = value
 
     def __repr__(self) -> str:
-        return f"ZeroOptimizer(stage={self.stage}, inner={type(self.inner).__name__})"
+        return f"ZeroOptimizer(stage={self.policy.preset_stage}, inner={type(self.inner).__name__})"
 
     def state_dict(self) -> dict[str, Any]:
         return self.inner.state_dict()
@@ -207,8 +208,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         assert_not_host(local, "the grad-norm all-reduce")  # packed below: the check must see it here
         flags = [float(received) for g in self.groups for received in g.grads_received]
         packed = torch.cat([local, torch.tensor(flags, dtype=torch.float32, device=self.device)])
-        if self.stage == 0 and self.comm.rank != 0:
-            packed[:2] = 0  # stage 0 gradients are identical on every rank: count them once
+        if not self.policy.shards_optimizer_state and self.comm.rank != 0:
+            packed[:2] = 0  # all-reduced gradients are identical on every rank: count them once
         self.comm.all_reduce_(packed, label="grad_norm")
         used_flat = (packed[2:] > 0).tolist()
         used, start = [], 0

@@ -26,6 +26,7 @@ from hf_zero.comm import Communicator
 from hf_zero.engine.buffer_pool import BufferPool
 from hf_zero.engine.flat_group import FlatParamGroup, GroupKind
 from hf_zero.engine.param_source import ParamSource
+from hf_zero.engine.policy import ShardingPolicy
 from hf_zero.offload import OffloadSettings
 from hf_zero.partition import UnitSpec, is_persistent
 
@@ -71,10 +72,9 @@ class ZeroUnit:
         spec: UnitSpec,
         param_group_of: dict[int, int],
         comm: Communicator,
-        stage: int,
+        policy: ShardingPolicy,
         compute_dtype: torch.dtype,
         device: torch.device,
-        persistence_threshold: int,
         source: ParamSource | None = None,
         offload: OffloadSettings = OffloadSettings(),
         buffers: BufferPool | None = None,
@@ -86,13 +86,13 @@ class ZeroUnit:
         for name, param in spec.params:
             kind = GroupKind(
                 trainable=param.requires_grad,
-                persistent=is_persistent(param, stage, persistence_threshold),
+                persistent=is_persistent(param, policy.shards_params, policy.persistence_threshold),
                 param_group_index=param_group_of.get(id(param), 0) if param.requires_grad else -1,
             )
             buckets.setdefault(kind, []).append((name, param))
         self.groups = [
             FlatParamGroup(
-                f"{spec.name}#{i}", named, kind, comm, stage, compute_dtype, device, source,
+                f"{spec.name}#{i}", named, kind, comm, policy, compute_dtype, device, source,
                 offload if kind.trainable or offload.params != "none" else OffloadSettings(), buffers,
             )
             for i, (kind, named) in enumerate(sorted(buckets.items(), key=_kind_order))
@@ -103,7 +103,7 @@ class ZeroUnit:
         self.trainable_groups = [g for g in self.groups if g.kind.trainable]
         # Frozen gathered parameters get no gradient hook, yet the backward may still read them
         # after the last trainable gradient: see [Note: releasing a unit in backward].
-        self.has_frozen_sharded = any(g.shards_params and not g.kind.trainable for g in self.groups)
+        self.has_frozen_sharded = any(g.sharded_between_uses and not g.kind.trainable for g in self.groups)
         # A plain nn.Embedding's backward reads only the indices, never the weight: stage 3
         # neither keeps it gathered for the backward nor gathers it there ([Note: units whose
         # backward reads no parameter] in hooks.py).
@@ -121,7 +121,7 @@ class ZeroUnit:
     @property
     def sharded_numel(self) -> int:
         """Elements that are gathered and freed around use (stage 3, non-persistent)."""
-        return sum(g.layout.padded_numel for g in self.groups if g.shards_params)
+        return sum(g.layout.padded_numel for g in self.groups if g.sharded_between_uses)
 
     # ----------------------------------------------------------------- parameter state
     def _move_params(self, new: ParamState) -> None:
