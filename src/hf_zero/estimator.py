@@ -53,9 +53,11 @@ in engine/hooks.py) replayed on unit sizes, c bytes per element, and its peak ta
   plain ``nn.Embedding``, the prefetched next unit, the kept ones), plus every full gradient
   buffer not yet reduced (the unit's own; each earlier unit's until its bucket's reduction
   finishes, at most ``BUCKETS_IN_FLIGHT`` buckets in flight, and the root's for the whole
-  backward, because its bucket is the last of the fixed order), plus autograd's gradient of the
-  unit's largest parameter before it is added into its ``.grad`` view (an embedding's dense
-  backward makes one of the whole table).
+  backward, because its bucket is the last of the fixed order; a bucket larger than the next one
+  is finished before the next goes out: [Note: gradients in flight] in engine/hooks.py), plus
+  autograd's gradient of the unit's largest parameter before it is added into its ``.grad`` view,
+  unless its group takes autograd's gradient as it is ([Note: a gradient autograd hands over] in
+  engine/flat_group.py: a sharded group of one unpadded parameter, as an embedding or a head).
 A group of ``IN_PLACE_NUMEL`` elements or more is a bucket of its own; smaller ones share
 buckets of B ([Note: buckets] in engine/buckets.py). Not counted: activations and logits (the
 test runs 16 tokens: together with the fp32 gradient shards the first step allocates, 0.3-1.4%
@@ -226,7 +228,10 @@ def unit_sizes(groups: list[GroupStats]) -> list[UnitSizes]:
         u.gathered += g.padded_numel * (not g.persistent)
         if g.trainable:
             u.grad_groups.append(g.padded_numel)
-            u.largest_grad = max(u.largest_grad, g.largest_param_numel)
+            # A sharded group of one unpadded parameter takes autograd's gradient as its flat
+            # gradient ([Note: a gradient autograd hands over] in engine/flat_group.py): no copy.
+            adopted = not g.persistent and g.largest_param_numel == g.numel == g.padded_numel
+            u.largest_grad = max(u.largest_grad, 0 if adopted else g.largest_param_numel)
     order = [g.unit for g in groups]
     return sorted(units.values(), key=lambda u: order.index(u.name))
 
@@ -292,7 +297,8 @@ class Stage3Replay:
     def backward(self) -> None:
         """The root, then the units in reverse; a bucket is reduced once its units are done and
         the buckets before it have gone, and its gradients are freed when its reduction finishes
-        (the oldest first once ``BUCKETS_IN_FLIGHT`` are out)."""
+        (the oldest first once ``BUCKETS_IN_FLIGHT`` are out, or while they hold more than the
+        new one)."""
         backward_order = self.order[::-1]
         buckets = _buckets([(u.name, n) for u in backward_order + [self.root] for n in u.grad_groups],
                            self.settings.reduce_bucket_size)
@@ -307,9 +313,12 @@ class Stage3Replay:
             self.gathered.pop(unit.name, None)
             done.add(unit.name)
             while buckets and all(name in done for name, _ in buckets[0]):
-                while len(in_flight) >= BUCKETS_IN_FLIGHT:
+                new = sum(n for _, n in buckets.pop(0))
+                # [Note: gradients in flight] in engine/hooks.py
+                while in_flight and (len(in_flight) >= BUCKETS_IN_FLIGHT
+                                     or sum(in_flight) > (BUCKETS_IN_FLIGHT - 1) * new):
                     self.grads_held -= in_flight.pop(0)
-                in_flight.append(sum(n for _, n in buckets.pop(0)))
+                in_flight.append(new)
 
 
 def _buckets(groups: list[tuple[str, int]], bucket_numel: int) -> list[list[tuple[str, int]]]:

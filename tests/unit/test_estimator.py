@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from torch import nn
 
 from hf_zero.estimator import (
@@ -128,9 +129,10 @@ class EmbeddingFirst(nn.Module):
 def test_an_embeddings_backward_gathers_nothing_and_makes_its_gradient_whole():
     # The forward gathers all three (608); the embedding is freed after its forward, the linear
     # and the root kept. The root's backward holds 96 + 32 + 32, the linear's 64 + 96 + 64, the
-    # embedding's nothing gathered, the root's and the linear's gradients (one bucket), its own
-    # 512 and the dense backward's 512: 32 + 64 + 512 + 512.
-    assert _stage3_working_numel(EmbeddingFirst()) == 1120
+    # embedding's nothing gathered, the root's and the linear's gradients (one bucket) and its
+    # own 512: the dense backward's gradient, which its group (one unpadded parameter) takes as
+    # it is: 32 + 64 + 512 = 608. Copied into a buffer of its own it would be 1120.
+    assert _stage3_working_numel(EmbeddingFirst()) == 608
 
 
 def test_stage1_and_2_rows_and_the_table():
@@ -195,3 +197,25 @@ def test_hybrid_sharding_shards_states_over_the_shard_group_only(stage: int):
     assert hybrid[0].device_bytes > everywhere[0].device_bytes
     with pytest.raises(ValueError, match="does not divide the world size 64"):
         estimate_model_states(Toy(width=64), 8, 8, stages=(stage,), shard_group_size=6)
+
+
+class LargeSmallLarge(nn.Module):
+    """Units of 512, 64 and 512 weights (one parameter each, unpadded at world 2) and a root of 8
+    elements (padded to 16)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 64, bias=False), nn.Linear(8, 8, bias=False),
+                                     nn.Linear(8, 64, bias=False)])
+        self.scale = nn.Parameter(torch.ones(8))
+
+
+def test_a_bucket_larger_than_the_next_is_finished_before_the_next_goes_out():
+    # Nothing kept or prefetched, one bucket per unit, the root's last (its 16 gradient elements
+    # held through the backward). The last unit's backward holds its 512 gathered and its 512
+    # gradient (autograd's, taken as it is): 16 + 1024. When the middle unit's 64 go out, the
+    # 512 in flight are more than one 64 bucket, so they are finished first: the first unit's
+    # backward holds 512 gathered, 16 + 64 + its own 512: 1104. Counting buckets only, the 512
+    # stayed in flight there too: 1616.
+    assert _stage3_working_numel(LargeSmallLarge(), reduce_bucket_size=1, stage3_prefetch_bucket_size=0,
+                                 stage3_max_reuse_distance=0) == 1104

@@ -56,6 +56,12 @@ class PendingBucket:
     send: torch.Tensor | None = None  # the collective's input, alive until it completes
     divisor: int = 1  # the received part is still divided by this ([Note: averaging gradients over ranks])
 
+    @property
+    def grad_bytes(self) -> int:
+        """The gradient bytes the reduction holds until it finishes ([Note: gradients in flight]
+        in hooks.py)."""
+        return sum(g.grad_bytes for g in self.groups)
+
     def is_completed(self) -> bool:
         """Whether waiting would return at once."""
         if self.per_group is not None:

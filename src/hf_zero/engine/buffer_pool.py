@@ -25,6 +25,13 @@ the engine owns those buffers, and never changes the process's allocator:
   step follows), and at the end of ``initialize``. Between boundaries the idle bytes are bounded
   by what the schedule can free before it allocates again: the prefetch bucket plus, per size,
   a unit's parameters, the next unit's, and the gradients of the buckets in flight.
+- [Note: the buffer pool in the backward] A size two groups share is not always taken again:
+  an untied head and the embedding have the same shape, but the embedding's backward gathers
+  nothing and its gradient is autograd's own ([Note: a gradient autograd hands over] in
+  flat_group.py). So when a unit is released in the backward, the idle buffers of every size
+  that no later unit of the backward takes are let go (``release_idle(keep=...)``, the sizes
+  computed once from the backward order): the head's parameter buffer was kept through the
+  layers' and the embedding's backward, 1002 MiB per rank at the Llama-3-8B shape.
 - Autograd's saved tensors and every ``.grad`` view refer to the flat buffer's storage object,
   so a buffer moves in and out of that object by swapping data pointers
   (``UntypedStorage._swap_data_ptr_``); the tensors never change.
@@ -48,6 +55,7 @@ import ctypes
 import mmap
 import threading
 from collections import defaultdict
+from collections.abc import Collection
 
 import torch
 
@@ -193,10 +201,10 @@ class BufferPool:
             else:
                 del self._mapped[holder.data_ptr()]  # dropping the holder unmaps it
 
-    def release_idle(self) -> None:
-        """A phase boundary: every idle buffer is unmapped."""
+    def release_idle(self, keep: Collection[int] = ()) -> None:
+        """A phase boundary: every idle buffer is unmapped, except those of the sizes in
+        ``keep`` (what the rest of the phase will take again)."""
         with self._lock:
-            for kept in self._idle.values():
-                for holder in kept:
+            for size in [size for size in self._idle if size not in keep]:
+                for holder in self._idle.pop(size):
                     del self._mapped[holder.data_ptr()]
-            self._idle.clear()

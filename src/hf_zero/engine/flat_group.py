@@ -339,11 +339,36 @@ class FlatParamGroup:
         return self.store.read()
 
     # ----------------------------------------------------------------- gradients
-    def prepare_grads(self) -> None:
-        """Before this group's backward: make sure the flat gradient buffer exists (fresh ones
-        are zeroed; an accumulating one is kept) and that each ``.grad`` is a view into it."""
+    # [Note: a gradient autograd hands over]
+    # A stage-3 group's full gradient is a flat buffer that the ``.grad`` views point into, so
+    # autograd accumulates each parameter's gradient into it. For a parameter alone in its group
+    # and filling it exactly (an embedding, an untied head: the largest buffers of a decoder), the
+    # buffer would be a second copy of the tensor autograd makes anyway: the buffer, zeroed before
+    # the backward, plus autograd's gradient, added into it, held 3 x 1002 MiB per rank at the
+    # Llama-3-8B head's backward (parameters, buffer, autograd's gradient). Such a group gets no
+    # buffer before its backward: autograd's gradient becomes ``.grad`` itself, and at the
+    # reduction its memory moves into the flat buffer's storage object
+    # (``UntypedStorage._swap_data_ptr_``; the object, which views and the pool know, stays), so
+    # the reduction reads it where autograd wrote it. A gradient that does not fit (another dtype,
+    # not contiguous, a second micro-step's sum already in the buffer) takes the usual path.
+    @property
+    def adopts_autograd_grad(self) -> bool:
+        """[Note: a gradient autograd hands over]: this group's flat gradient can be the tensor
+        autograd made for its one parameter."""
+        slot = self.layout.slots[0] if len(self.layout.slots) == 1 else None
+        return (self.policy.shards_params and slot is not None and slot.offset == 0 and slot.numel == self.layout.padded_numel
+                and hasattr(torch.UntypedStorage, "_swap_data_ptr_"))
+
+    def prepare_grads(self, for_backward: bool = False) -> None:
+        """Before this group's backward (``for_backward``) or its reduction: make sure the flat
+        gradient buffer exists (fresh ones are zeroed; an accumulating one is kept) and that each
+        ``.grad`` is a view into it. A group that adopts autograd's gradient gets no buffer
+        before its backward ([Note: a gradient autograd hands over])."""
         if self.grad_full is None:
             return
+        if not self.has_grads() and self.adopts_autograd_grad:
+            if for_backward or self._adopt_autograd_grad():
+                return
         if self.buffers.acquire(self.grad_full):
             self.grad_full.zero_()
         for slot, param in zip(self.layout.slots, self.params):
@@ -353,6 +378,25 @@ class FlatParamGroup:
                 if grad is not None:  # produced outside our buffer (see collect_stray_grads)
                     view.add_(grad.to(view.dtype))
                 param.grad = view
+
+    def _adopt_autograd_grad(self) -> bool:
+        """Make the parameter's own ``.grad`` tensor (autograd's, not a view into the buffer) the
+        flat gradient buffer's memory. Returns whether it did."""
+        param, slot = self.params[0], self.layout.slots[0]
+        grad = param.grad
+        needed = self.grad_full.numel() * self.grad_full.element_size()
+        if (grad is None or grad.dtype != self.grad_full.dtype or grad.device != self.grad_full.device
+                or not grad.is_contiguous() or grad.storage_offset() != 0 or storage_bytes(grad) != needed):
+            return False
+        # The buffer's storage object stays (views and the pool know it); the memory changes hands.
+        self.grad_full.untyped_storage()._swap_data_ptr_(grad.untyped_storage())
+        param.grad = slot.view_in(self.grad_full)
+        return True
+
+    @property
+    def grad_bytes(self) -> int:
+        """The bytes of the full gradient buffer while it exists (0 for a frozen group)."""
+        return 0 if self.grad_full is None else self.grad_full.numel() * self.grad_full.element_size()
 
     def has_grads(self) -> bool:
         return self.grad_full is not None and storage_bytes(self.grad_full) > 0

@@ -115,6 +115,17 @@ DeepSpeed gathers a module's external parameters:
   guard until the gather has completed, not only until the buffer exists, so a read that no
   module hook waited for never sees the buffer's previous bytes.
 
+[Note: gradients in flight]
+A bucket in flight holds its units' full gradients until its reduction finishes. Two buckets
+in flight overlap a reduction with the next unit's backward, but the bound counts buckets, not
+bytes: an untied head's gradient (1002 MiB per rank at the Llama-3-8B shape in bf16, 2.4x a
+layer's) stayed in flight through the next layer's backward and, with the fake process group of
+the simulation, whose reductions never report completion, through the embedding's. So under
+stage 3 a bucket going out first finishes the oldest ones while they hold more than
+``BUCKETS_IN_FLIGHT - 1`` times its own bytes: equal layers keep two in flight, a bucket much
+larger than the next is finished before the next goes out. The estimator's replay applies the
+same rule ([Note: stage-3 working memory] in hf_zero/estimator.py).
+
 [Note: units whose backward reads no parameter]
 An embedding lookup's backward scatters the output gradient into rows of the weight's gradient
 from the saved indices; it never reads the weight. A unit that is exactly a ``nn.Embedding``
@@ -214,6 +225,13 @@ class UnitProtocol:
         self.forward_position = {u.index: i for i, u in enumerate(self.forward_order)}
         self.backward_order = self.forward_order[::-1]
         self.backward_position = {u.index: i for i, u in enumerate(self.backward_order)}
+        # Per backward position, the buffer sizes the units after it take from the pool.
+        self.backward_sizes_ahead: list[frozenset[int]] = []
+        ahead: frozenset[int] = frozenset()
+        for unit in reversed(self.backward_order):
+            self.backward_sizes_ahead.append(ahead)
+            ahead = ahead | unit.buffer_sizes_in_backward()
+        self.backward_sizes_ahead.reverse()
         self.numel_after: dict[int, int] = {self.root.index: 0}  # sharded elements after a unit
         after = 0
         for unit in reversed(self.forward_order):
@@ -485,7 +503,10 @@ class UnitProtocol:
         limit = self.policy.reductions_in_flight
         async_op = limit > 0
         self._collect_finished()
-        while len(self.in_flight) >= max(limit, 1):
+        # [Note: gradients in flight]: a bucket larger than the one going out is finished first.
+        new_bytes = sum(g.grad_bytes for g in groups)
+        while self.in_flight and (len(self.in_flight) >= max(limit, 1) or (
+                self.policy.shards_params and sum(p.grad_bytes for p in self.in_flight) > (limit - 1) * new_bytes)):
             self._finish(self.in_flight.pop(0))
         pending = start_bucket(groups, self.comm, self.reduce_dtype, async_op)
         for unit in {id(g.owner): g.owner for g in groups}.values():
@@ -545,6 +566,9 @@ class UnitProtocol:
         if (self.policy.shards_params and unit.backward_visited and unit.pending_grads == 0
                 and (unit.inputs_done or not unit.input_signal)):
             unit.reshard()
+            if self.backward_open and unit is not self.root:
+                # [Note: the buffer pool in the backward]
+                self.buffers.release_idle(keep=self.backward_sizes_ahead[self.backward_position[unit.index]])
 
     def release_all(self) -> None:
         """Free every gathered stage-3 unit (before an optimizer step; see [Note: reuse distance])."""

@@ -123,6 +123,18 @@ class ZeroUnit:
         """Elements that are gathered and freed around use (stage 3, non-persistent)."""
         return sum(g.layout.padded_numel for g in self.groups if g.sharded_between_uses)
 
+    def buffer_sizes_in_backward(self) -> frozenset[int]:
+        """The sizes of the buffers this unit's backward takes from the pool: its gathered
+        parameters (unless its backward reads none), its flat gradients (unless autograd's are
+        adopted: [Note: a gradient autograd hands over] in flat_group.py)."""
+        sizes = set()
+        for group in self.groups:
+            if group.sharded_between_uses and self.backward_reads_params:
+                sizes.add(group.full.numel() * group.full.element_size())
+            if group.grad_full is not None and not group.adopts_autograd_grad:
+                sizes.add(group.grad_bytes)
+        return frozenset(sizes)
+
     # ----------------------------------------------------------------- parameter state
     def _move_params(self, new: ParamState) -> None:
         if new not in _PARAM_MOVES[self.param_state]:
@@ -173,8 +185,9 @@ class ZeroUnit:
             self.move_grads(GradState.REDUCED)
 
     def prepare_grads(self) -> None:
+        """Before the unit's backward."""
         for group in self.groups:
-            group.prepare_grads()
+            group.prepare_grads(for_backward=True)
 
     def reset_backward_state(self) -> None:
         self.grad_state = GradState.IDLE
