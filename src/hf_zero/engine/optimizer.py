@@ -24,7 +24,7 @@ from hf_zero.engine.param_usage import Segment, advanced_steps, step_runs, unuse
 from hf_zero.engine.policy import ShardingPolicy
 from hf_zero.transfer import assert_not_host, is_host_store, mark_host, to_compute
 
-if TYPE_CHECKING:  # overlap_step imports this module (ZeroAdam); whole_param_step needs none of it at run time
+if TYPE_CHECKING:  # annotations only (overlap_step imports this module at run time)
     from hf_zero.engine.loss_scaler import LossScaler
     from hf_zero.engine.overlap_step import OverlappedOffloadStep
     from hf_zero.engine.whole_param_step import WholeParamStep
