@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from hf_zero.engine.param_source import SOURCE_ATTRIBUTE
+from hf_zero.engine.param_source import SOURCE_ATTRIBUTE, ParamSource
 
 logger = logging.getLogger("hf_zero")
 
@@ -127,7 +127,7 @@ class WrappedModelSource:
     names lose the wrapper's prefix, and the ``.base_layer`` segment PEFT inserts when it wraps a
     layer with an adapter."""
 
-    def __init__(self, source: Any, prefix: str) -> None:
+    def __init__(self, source: ParamSource, prefix: str) -> None:
         self.source = source
         self.prefix = prefix + "." if prefix else ""
 

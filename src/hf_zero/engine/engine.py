@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -21,6 +21,9 @@ from hf_zero.engine.rank_agreement import RankDisagreementError
 from hf_zero.engine.timers import PhaseTimers
 from hf_zero.engine.unit import ZeroUnit
 
+if TYPE_CHECKING:
+    from hf_zero.config import HfZeroConfig
+
 logger = logging.getLogger("hf_zero")
 
 
@@ -35,7 +38,7 @@ class ZeroEngine(nn.Module):
     def __init__(
         self,
         module: nn.Module,
-        config: Any,
+        config: HfZeroConfig,
         comm: Communicator,
         device: torch.device,
         units: list[ZeroUnit],
@@ -68,6 +71,7 @@ class ZeroEngine(nn.Module):
         self._cache_hook = None  # set by compile(): see [Note: compiled units]
         # wall_clock_breakdown: None when off, so the hot path makes no timer calls at all.
         self._timers = PhaseTimers(device) if config.wall_clock_breakdown else None
+        overlapped = optimizer.overlapped if optimizer is not None else None
         self.protocol = UnitProtocol(
             units,
             policy=policy,
@@ -79,10 +83,9 @@ class ZeroEngine(nn.Module):
             reduce_bucket_numel=int(config.zero.reduce_bucket_size),
             grad_accum_dtype=config.grad_accum_dtype,
             buffers=buffers,
+            on_grads_final=overlapped.submit if overlapped is not None else None,
+            check_in=self.check_in,
         )
-        self.protocol.check_in = self.check_in
-        if optimizer is not None and optimizer.overlapped is not None:
-            self.protocol.on_grads_final = optimizer.overlapped.submit
         self.protocol.install()
         comm.where = self._progress  # named by collective errors ([Note: collective errors])
 

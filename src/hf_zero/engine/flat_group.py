@@ -19,7 +19,7 @@ and the optimizer writes the 16-bit compute copy in the same pass.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -36,6 +36,10 @@ from hf_zero.offload import NvmeShard, OffloadSettings
 from hf_zero.offload.shard_store import DeviceShard, HostShard, ShardStore
 from hf_zero.transfer import is_host_store, to_host
 from hf_zero.partition import FlatLayout, build_flat_layout
+
+if TYPE_CHECKING:  # unit.py builds the groups: imports this module
+    from hf_zero.engine.unit import ZeroUnit
+    from hf_zero.offload import NvmeOptimizerStore
 
 
 @dataclass
@@ -80,11 +84,13 @@ class FlatParamGroup:
         source: ParamSource | None = None,
         offload: OffloadSettings = OffloadSettings(),
         buffers: BufferPool | None = None,
+        *,
+        owner: ZeroUnit | None = None,
     ) -> None:
         self.label = label
         # The memory of the full buffers that come and go ([Note: the buffer pool]).
         self.buffers = buffers if buffers is not None else BufferPool(device)
-        self.owner: Any = None  # the ZeroUnit this group belongs to (set by the unit)
+        self.owner = owner  # the ZeroUnit this group belongs to (the unit building it)
         self.offload = offload
         self.kind = kind
         self.comm = comm
@@ -124,7 +130,7 @@ class FlatParamGroup:
             nvme_shard = offload.param_store.register(label, shard)
         leaves_device = offload.params_on_host and self.sharded_between_uses
         self.nvme_index: int | None = None  # set when an NVMe store holds this group's state
-        self.nvme_store: Any = None  # that NvmeOptimizerStore (offload_optimizer nvme)
+        self.nvme_store: NvmeOptimizerStore | None = None  # that store (offload_optimizer nvme)
         self._pending_gather: Handle | None = None
         self.master: torch.Tensor | None = None
         self.grad_full: torch.Tensor | None = None

@@ -197,6 +197,8 @@ class UnitProtocol:
         timers: PhaseTimers | None = None,
         reduce_bucket_numel: int = 0,
         grad_accum_dtype: torch.dtype = torch.float32,
+        on_grads_final: Callable[[list[FlatParamGroup]], None] | None = None,
+        check_in: Callable[[str], None] = lambda phase: None,
     ) -> None:
         self.units = units
         # Let go of its idle buffers at the phase boundaries ([Note: the buffer pool]).
@@ -213,10 +215,10 @@ class UnitProtocol:
         self.timers = timers  # wall_clock_breakdown; None when off
         self.is_boundary = is_boundary
         # Called with groups whose fp32 gradient shard is final at the accumulation boundary.
-        self.on_grads_final: Callable[[list[FlatParamGroup]], None] | None = None
+        self.on_grads_final = on_grads_final
         # Raises unless every rank starts the phase named together ([Note: phases in step]);
-        # the engine sets it. With policy.shards_params only: the phases here run collectives only there.
-        self.check_in: Callable[[str], None] = lambda phase: None
+        # the engine's. With policy.shards_params only: the phases here run collectives only there.
+        self.check_in = check_in
         self.handles: list[RemovableHandle] = []
         self.finish_queued = False
         # The shared schedule: forward order (root excluded; it runs around everything) and

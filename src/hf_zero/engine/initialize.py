@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Any, Callable, Iterable
 
@@ -115,6 +116,16 @@ def _config_whole_param(config: HfZeroConfig, optimizer: OptimizerArg, model_par
             "the rest on AdamW; see docs/optimizers.md); remove model_parameters, or pass your own "
             "optimizer built on them and no \"optimizer\" section")
     return True
+
+
+def _whole_param_optimizer(config: HfZeroConfig, optimizer: OptimizerArg,
+                           param_groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+    """The shape-aware optimizer over the owners' full-shape masters ([Note: whole-parameter step])."""
+    if optimizer is None:
+        return _config_whole_param_optimizer(config, param_groups)
+    if isinstance(optimizer, MuonWithAuxAdamW):  # [Note: Muon with auxiliary AdamW]
+        return MuonWithAuxAdamW(param_groups)
+    return _rebuild_torch_optimizer(optimizer, param_groups)
 
 
 def _config_whole_param_optimizer(config: HfZeroConfig, param_groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
@@ -314,30 +325,29 @@ def initialize(
     trainable = [g for u in units for g in u.groups if g.kind.trainable]
     for group in trainable:
         shard_groups[group.kind.param_group_index]["params"].append(group.master)
+    # Each object is built with what it needs, in dependency order; the two pieces that need the
+    # object using them (the whole-parameter step's optimizer over the masters it makes, the
+    # overlapped step over the ZeroOptimizer) are given as factories their owner calls.
     whole_params = None
     if optimizer_kind is OptimizerKind.WHOLE_PARAM and trainable:  # see [Note: whole-parameter step]
-        whole_params = WholeParamStep(trainable, comm, hyper, device)
-        if optimizer is None:
-            inner = _config_whole_param_optimizer(resolved, whole_params.param_groups)
-        elif isinstance(optimizer, MuonWithAuxAdamW):  # [Note: Muon with auxiliary AdamW]
-            inner = MuonWithAuxAdamW(whole_params.param_groups)
-        else:
-            inner = _rebuild_torch_optimizer(optimizer, whole_params.param_groups)
-        whole_params.inner = inner
+        whole_params = WholeParamStep(trainable, comm, hyper, device,
+                                      build_inner=functools.partial(_whole_param_optimizer, resolved, optimizer))
+        inner = whole_params.inner
     else:
         inner = _build_inner_optimizer(resolved, optimizer, shard_groups) if trainable else None
     zero_optimizer = None
     if inner is not None:
-        zero_optimizer = ZeroOptimizer(inner, trainable, comm, resolved.gradient_clipping, policy,
-                                       allgather_bucket_numel=int(resolved.zero.allgather_bucket_size))
-        zero_optimizer.whole_params = whole_params
-        zero_optimizer.loss_scaler = build_loss_scaler(**_loss_scaler_kwargs(resolved))
-        zero_optimizer.skip_nonfinite = resolved.bf16.enabled and resolved.bf16.check_grad_overflow
-        if offload.optimizer == "nvme":
-            zero_optimizer.nvme = _nvme_store(offload, comm.global_rank, trainable)
+        loss_scaler = build_loss_scaler(**_loss_scaler_kwargs(resolved))
+        nvme = _nvme_store(offload, comm.global_rank, trainable) if offload.optimizer == "nvme" else None
+        overlapped = None
         if offload.optimizer_on_host and can_overlap(inner, resolved.gradient_clipping, resolved.fp16.enabled,
                                                      nvme=offload.optimizer == "nvme"):
-            zero_optimizer.overlapped = OverlappedOffloadStep(zero_optimizer, device)
+            overlapped = functools.partial(OverlappedOffloadStep, device=device)
+        zero_optimizer = ZeroOptimizer(inner, trainable, comm, resolved.gradient_clipping, policy,
+                                       allgather_bucket_numel=int(resolved.zero.allgather_bucket_size),
+                                       loss_scaler=loss_scaler,
+                                       skip_nonfinite=resolved.bf16.enabled and resolved.bf16.check_grad_overflow,
+                                       nvme=nvme, whole_params=whole_params, overlapped=overlapped)
     scheduler = _build_scheduler(resolved, zero_optimizer, lr_scheduler)
     buffers.release_idle()  # a phase boundary: [Note: the buffer pool]
     hand_back_free_heap_pages()  # [Note: the heap after loading]

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import math
 from collections import OrderedDict
-from typing import Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -23,6 +23,12 @@ from hf_zero.engine.flat_group import FlatParamGroup
 from hf_zero.engine.param_usage import Segment, advanced_steps, step_runs, unused_ranges
 from hf_zero.engine.policy import ShardingPolicy
 from hf_zero.transfer import assert_not_host, is_host_store, mark_host, to_compute
+
+if TYPE_CHECKING:  # annotations only (overlap_step imports this module at run time)
+    from hf_zero.engine.loss_scaler import LossScaler
+    from hf_zero.engine.overlap_step import OverlappedOffloadStep
+    from hf_zero.engine.whole_param_step import WholeParamStep
+    from hf_zero.offload import NvmeOptimizerStore
 
 logger = logging.getLogger("hf_zero")
 
@@ -115,7 +121,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
         gradient_clipping: float,
         policy: ShardingPolicy,
         allgather_bucket_numel: int = 0,
+        *,
+        loss_scaler: LossScaler | None = None,
+        skip_nonfinite: bool = False,
+        nvme: NvmeOptimizerStore | None = None,
+        whole_params: WholeParamStep | None = None,
+        overlapped: Callable[[ZeroOptimizer], OverlappedOffloadStep] | None = None,
     ) -> None:
+        """``loss_scaler``: fp16's (None otherwise). ``skip_nonfinite``: skip a step with inf/nan
+        gradients instead of raising ([Note: non-finite steps]). ``nvme``: the store holding the
+        optimizer state when offload_optimizer.device is nvme. ``whole_params``: the step of a
+        shape-aware optimizer ([Note: whole-parameter step]), whose optimizer is ``inner``.
+        ``overlapped``: builds the [Note: overlapped offload step] of this optimizer."""
         # Deliberately not Optimizer.__init__: the param groups are the inner optimizer's, shared.
         self.inner = inner
         self.defaults = inner.defaults
@@ -124,9 +141,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.gradient_clipping = gradient_clipping
         self.policy = policy  # [Note: sharding policy]
         self.allgather_bucket_numel = allgather_bucket_numel  # see [Note: buckets]
-        self.loss_scaler: Any = None  # set by the engine for fp16
+        self.loss_scaler = loss_scaler
         # [Note: non-finite steps] below: skip (bf16.check_grad_overflow) or raise
-        self.skip_nonfinite = False
+        self.skip_nonfinite = skip_nonfinite
         self.nonfinite_skipped_steps = 0
         self.overflow = False
         self.global_grad_norm: float | None = None
@@ -137,9 +154,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
         self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
         self._zero_grad_profile_name = "Optimizer.zero_grad#ZeroOptimizer.zero_grad"
-        self.nvme: Any = None  # an NvmeOptimizerStore when offload_optimizer.device is nvme
-        self.overlapped: Any = None  # an OverlappedOffloadStep: see [Note: overlapped offload step]
-        self.whole_params: Any = None  # a WholeParamStep: see [Note: whole-parameter step]
+        self.nvme = nvme
+        self.whole_params = whole_params  # see [Note: whole-parameter step]
         if isinstance(inner, ZeroAdam):
             for g in self.groups:
                 if g.master is not None:
@@ -149,6 +165,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 separate = g.master is not None and g.master.data_ptr() != g.shard.data_ptr()
                 if separate and not g.offload.optimizer_on_host and g.nvme_shard is None and not g.shard_on_host:
                     inner.compute_copy[id(g.master)] = g.shard
+        # The overlapped step and this optimizer use each other (it steps this optimizer's groups,
+        # this step finishes it): a cycle, broken by building it here, last, from the factory
+        # given, over this finished optimizer.
+        self.overlapped: OverlappedOffloadStep | None = overlapped(self) if overlapped is not None else None
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]

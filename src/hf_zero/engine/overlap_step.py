@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from hf_zero.engine.flat_group import FlatParamGroup
-from hf_zero.engine.optimizer import ZeroAdam
+from hf_zero.engine.optimizer import ZeroAdam, ZeroOptimizer
 from hf_zero.execution import bound_thread_initializer
 from hf_zero.transfer import host_snapshot
 
@@ -48,8 +48,9 @@ def can_overlap(inner: torch.optim.Optimizer, gradient_clipping: float, fp16: bo
 class OverlappedOffloadStep:
     """Runs each group's host step on one worker thread as soon as its gradients are final."""
 
-    def __init__(self, optimizer: Any, device: torch.device) -> None:
-        self.optimizer = optimizer  # the ZeroOptimizer whose groups this steps
+    def __init__(self, optimizer: ZeroOptimizer, device: torch.device) -> None:
+        # The ZeroOptimizer whose groups this steps; it builds this step in its constructor.
+        self.optimizer = optimizer
         # Groups kept on the device (offload_optimizer.ratio < 1) step on the worker too: it
         # launches on the rank's device ([Note: the launching thread's device]).
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_zero-offload-step",

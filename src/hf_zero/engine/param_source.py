@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from hf_zero.comm import Communicator
 
 SOURCE_ATTRIBUTE = "_hf_zero_param_source"
 
@@ -158,7 +161,8 @@ class InitSource:
     see :meth:`agree_across_ranks`) and the module's index, whatever order ranks read in.
     """
 
-    def __init__(self, model: torch.nn.Module, init_module: Any, base_seed: int) -> None:
+    def __init__(self, model: torch.nn.Module, init_module: Callable[[str, torch.nn.Module], Any],
+                 base_seed: int) -> None:
         self.init_module = init_module
         self.base_seed = base_seed
         self._owner: dict[str, tuple[int, str, str]] = {}  # parameter -> (module index, module, attribute)
@@ -176,7 +180,7 @@ class InitSource:
     def description(self) -> str:
         return "the model's own initialisation"
 
-    def agree_across_ranks(self, comm: Any, device: torch.device) -> None:
+    def agree_across_ranks(self, comm: Communicator, device: torch.device) -> None:
         """Take rank 0's base seed (ranks may have been seeded differently)."""
         seed = torch.tensor([self.base_seed], dtype=torch.int64, device=device)
         comm.broadcast_(seed, src=0, label="init_seed")

@@ -94,11 +94,10 @@ class ZeroUnit:
             FlatParamGroup(
                 f"{spec.name}#{i}", named, kind, comm, policy, compute_dtype, device, source,
                 offload if kind.trainable or offload.params != "none" else OffloadSettings(), buffers,
+                owner=self,
             )
             for i, (kind, named) in enumerate(sorted(buckets.items(), key=_kind_order))
         ]
-        for group in self.groups:
-            group.owner = self
         self.trainable_params = [p for g in self.groups if g.kind.trainable for p in g.params]
         self.trainable_groups = [g for g in self.groups if g.kind.trainable]
         # Frozen gathered parameters get no gradient hook, yet the backward may still read them

@@ -24,7 +24,7 @@ its parameters' names, wherever they were saved, so a run resumes at another wor
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -50,7 +50,11 @@ class WholeParamStep:
     [Note: whole-parameter step]."""
 
     def __init__(self, groups: list[FlatParamGroup], comm: Communicator, hyper: list[dict[str, Any]],
-                 device: torch.device) -> None:
+                 device: torch.device, *,
+                 build_inner: Callable[[list[dict[str, Any]]], torch.optim.Optimizer]) -> None:
+        """``build_inner``: the real optimizer (the user's class) over the param groups of the
+        owners' masters, which exist only once this object has made them: a factory, called here,
+        rather than an optimizer built before."""
         self.groups = groups
         self.comm = comm
         self.device = device
@@ -69,7 +73,7 @@ class WholeParamStep:
                     self.param_groups[group.kind.param_group_index]["params"].append(master)
         # A rank that owns nothing in a group still keeps the group (its hyperparameters are
         # what schedulers read); torch refuses only an optimizer with no group at all.
-        self.inner: torch.optim.Optimizer | None = None  # the user's class over param_groups, set by initialize
+        self.inner: torch.optim.Optimizer = build_inner(self.param_groups)
 
     def owned_masters(self) -> list[tuple[str, torch.Tensor]]:
         """(parameter name, full-shape master) for every parameter this rank steps, in layout
@@ -107,7 +111,6 @@ class WholeParamStep:
             for slot, master in self.owned[id(group)]:
                 # A parameter no rank used is not stepped ([Note: parameters no rank used]).
                 master.grad = slot.view_in(full_grad) * factor if used[slot.name] else None
-        assert self.inner is not None, "initialize builds the optimizer over param_groups"
         self.inner.step()
         for group in self.groups:
             if not group.used_in_step:

@@ -21,7 +21,7 @@ subclass. It behaves like Accelerate's DeepSpeed path, without the deepspeed pac
   ``save_model`` writes them with ``save_pretrained`` (a folder ``from_pretrained`` loads).
 - ``save_state`` / ``load_state``: the engine's sharded checkpoint plus Accelerate's RNG and
   dataloader state; see [Note: save_state under hf_zero].
-- The config comes from ``hf_zero_plugin=HfZeroPlugin(...)`` (hf_zero.integrations.accelerate),
+- The config comes from ``hf_zero_plugin=HfZeroPlugin(...)`` (hf_zero.integrations._plugin),
   ``hf_zero_config=`` (the Trainer integration), or the ``HF_ZERO_*`` environment. Its "auto"
   values are filled in ``prepare`` from what it sees, as Accelerate's ``_prepare_deepspeed`` does.
 
@@ -53,6 +53,7 @@ from hf_zero.config import HfZeroConfig
 from hf_zero.engine.engine import ZeroEngine
 from hf_zero.engine.initialize import hidden_size_of
 from hf_zero.engine.optimizer import ZeroOptimizer
+from hf_zero.integrations._plugin import HfZeroPlugin, plugin_from_env
 from hf_zero.integrations._weights import attach_engine, engine_of, gather_full_state_dict, release_engine
 
 logger = logging.getLogger("hf_zero")
@@ -154,7 +155,7 @@ class HfZeroAccelerator(Accelerator):
     model's hidden size, and reports anything else left unresolved in one HfZeroConfigError.
     """
 
-    def __init__(self, *args: Any, hf_zero_plugin: Any = None,
+    def __init__(self, *args: Any, hf_zero_plugin: HfZeroPlugin | None = None,
                  hf_zero_config: HfZeroConfig | dict | str | None = None, **kwargs: Any) -> None:
         if hf_zero_plugin is not None and hf_zero_config is not None:
             raise ValueError("pass either hf_zero_plugin= or hf_zero_config= to HfZeroAccelerator, not both")
@@ -162,8 +163,6 @@ class HfZeroAccelerator(Accelerator):
             config: HfZeroConfig | None = HfZeroConfig(hf_zero_config)
         else:
             if hf_zero_plugin is None:
-                from hf_zero.integrations.accelerate import plugin_from_env
-
                 hf_zero_plugin = plugin_from_env()
             config = hf_zero_plugin.hf_zero_config if hf_zero_plugin is not None else None
         # The precision asked for fills "auto" in fp16/bf16.enabled; Accelerate's own is then
