@@ -94,8 +94,24 @@ def _shard_size_not_dividing_the_world() -> str:
     return "initialize accepted it"
 
 
+# Ranks on different paths (tests/divergent_models.py): at steps 1 and 4 only rank 2 runs the
+# side tower, so only the second shard group uses its parameters, which must still step on
+# every rank, as DDP(find_unused_parameters=True) steps them.
+DIVERGENT = {
+    "layerdrop_tower_s3": dict(model="layerdrop_tower", stage=3, zero=HYBRID),
+    "moe_s2": dict(model="moe", stage=2, zero=HYBRID),
+    "layerdrop_tower_s3_offload": dict(model="layerdrop_tower", stage=3, clip=0.0,
+                                       zero={**HYBRID, "offload_optimizer": {"device": "cpu"}}),
+}
+
+
 def _worker(folder: str) -> dict[str, Any]:
+    from tests.distributed.test_divergent_paths import _train_ddp, _train_hf_zero
+
     out: dict[str, Any] = {"scenarios": S.run_scenarios(SCENARIOS)}
+    rank = int(os.environ["RANK"])
+    out["divergent"] = {name: {"ddp": _train_ddp(sc, rank), "hf_zero": _train_hf_zero(sc, rank)}
+                        for name, sc in DIVERGENT.items()}
     out["initial"] = _start_from_other_weights()
     out["not_dividing"] = _shard_size_not_dividing_the_world()
     for name, (saved_with, resumed_with) in RESUME.items():
@@ -155,3 +171,12 @@ def test_a_shard_group_size_that_does_not_divide_the_world_is_refused(runs: list
     for r in runs:
         assert "mics_shard_size 3 does not divide the world size 4" in r["not_dividing"], r["not_dividing"]
         assert "write a divisor of it" in r["not_dividing"]
+
+
+@pytest.mark.parametrize("name", list(DIVERGENT))
+def test_ranks_on_different_paths_train_as_ddp_find_unused(runs: list[dict[str, Any]], name: str) -> None:
+    from tests.distributed.test_divergent_paths import ATOL, _max_diff
+
+    for r in runs:
+        result = r["divergent"][name]
+        assert _max_diff(result["hf_zero"], result["ddp"]) <= ATOL, name

@@ -274,6 +274,11 @@ class Communicator:
         return self.global_world_size > 1
 
     @property
+    def replica_index(self) -> int:
+        """Which shard group this rank is in (0 without hybrid sharding): groups are consecutive."""
+        return self.global_rank // self.world_size
+
+    @property
     def data_parallel_size(self) -> int:
         """How many ranks' gradients a reduction averages: every rank, replicas included."""
         return self.global_world_size
@@ -376,15 +381,17 @@ class Communicator:
 
     def all_reduce_(
         self, tensor: torch.Tensor, label: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
-        grads: bool = False,
+        grads: bool = False, over_all_ranks: bool = False,
     ) -> torch.Tensor:
-        """In place. ``grads``: a gradient reduction, on the gradient group ([Note: two process
-        groups])."""
+        """In place, on the shard group. ``grads``: a gradient reduction, on the gradient group
+        ([Note: two process groups]); ``over_all_ranks``: on every rank, the replicas of hybrid
+        sharding included."""
         self._check(label, tensor)
         if self.active:
             self._count("all_reduce", label, tensor)
             with record_function(f"hf_zero::all_reduce::{label}"), self._reporting("all-reduce", label):
-                dist.all_reduce(tensor, op=op, group=self.grad_group if grads else self.shard_group)
+                group = self.grad_group if grads else self.group if over_all_ranks else self.shard_group
+                dist.all_reduce(tensor, op=op, group=group)
         return tensor
 
     def all_reduce_into(self, tensor: torch.Tensor, label: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,

@@ -230,7 +230,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         packed = torch.cat([local, torch.tensor(flags, dtype=torch.float32, device=self.device)])
         if not self.policy.shards_optimizer_state and self.comm.rank != 0:
             packed[:2] = 0  # all-reduced gradients are identical on every rank: count them once
-        self.comm.all_reduce_(packed, label="grad_norm")
+        elif self.comm.replica_index != 0:
+            # Every shard group holds the same reduced shards ([Note: hybrid sharding]): the norm
+            # is the first group's; the flags go over every rank, since a parameter that only
+            # another shard group's ranks used has a gradient here too and must step everywhere.
+            packed[:2] = 0
+        self.comm.all_reduce_(packed, label="grad_norm", over_all_ranks=True)
         used_flat = (packed[2:] > 0).tolist()
         used, start = [], 0
         for group in self.groups:
