@@ -40,13 +40,21 @@ def run_process_tree(cmd: list[str], *, timeout: float, **popen_kwargs: Any) -> 
 # [Note: ranks from a forkserver]
 # Every rank is a fresh interpreter, as under torchrun, but importing torch in each one took about
 # 3 s of the 2 CPUs per spawn, tens of times per suite. The ranks therefore fork from a server
-# that has imported torch once (multiprocessing's forkserver; nothing else is preloaded, so
-# hf_zero, transformers and the test modules are imported fresh by each rank, after the
-# environment below is in place). A forked rank inherits the server's environment, fixed when
-# the server started, not the test's: the test's environment is passed and restored first thing,
-# so a variable a test sets (HF_ZERO_CHECK_ASYNC, TRITON_INTERPRET...) reaches its ranks as with
-# spawn. The working directory and sys.path are the test's too (multiprocessing sends both).
-_PRELOADED = ["torch"]
+# that has imported torch once (multiprocessing's forkserver), with the two torch subpackages
+# that importing transformers' models pulls in anyway: torch._dynamo and torch.distributed.tensor
+# (1.4 of the 3 CPU seconds each rank spent importing hf_zero and a model class; the 6 spawns of
+# test_head_unit.py went from 29.4 s to 22.4 s). Nothing else is preloaded, so hf_zero,
+# transformers and the test modules are imported fresh by each rank, after the environment below
+# is in place. A forked rank inherits the server's environment, fixed when the server started,
+# not the test's: the test's environment is passed and restored first thing, so a variable a
+# test sets (HF_ZERO_CHECK_ASYNC, HF_HUB_CACHE...) reaches its ranks as with spawn. The one
+# exception is TRITON_INTERPRET: torch._dynamo imports triton where it is installed, and triton
+# fixes "interpreted or compiled" for its own library when it is imported ([Note: two runs] in
+# tests/kernels/conftest.py), so run_distributed refuses a TRITON_INTERPRET other than the one the
+# server started with. The working directory and sys.path are the test's too (multiprocessing
+# sends both).
+_PRELOADED = ["torch", "torch._dynamo", "torch.distributed.tensor"]
+_server_triton_interpret: list[str | None] = []  # TRITON_INTERPRET when the server started
 mp.set_forkserver_preload(_PRELOADED)
 
 
@@ -85,6 +93,12 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, skip_teardown: bo
     ``skip_teardown``: each rank exits with ``os._exit`` once its result is written, for a library
     whose threads abort the interpreter's teardown (DeepSpeed's: "terminate called without an
     active exception"); hf_zero's own runs never use it, so their exits stay tested."""
+    if not _server_triton_interpret:
+        _server_triton_interpret.append(os.environ.get("TRITON_INTERPRET"))
+    if os.environ.get("TRITON_INTERPRET") != _server_triton_interpret[0]:
+        raise RuntimeError(f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r}, but the ranks' forkserver imported "
+                           f"triton with {_server_triton_interpret[0]!r}: run these ranks in a subprocess "
+                           "([Note: ranks from a forkserver])")
     with tempfile.TemporaryDirectory() as out_dir:
         try:
             mp.start_processes(
