@@ -2,7 +2,8 @@
 projection is a stage-3 unit of its own (gathered for its forward and its backward, freed
 between and after), and a fused loss that reads ``lm_head.weight`` inside the model's forward
 without calling ``lm_head`` gathers it on that read. 2 gloo ranks, tiny Llama (untied head),
-against the same model trained by single-process AdamW."""
+against the same model trained by single-process AdamW. One spawn runs every case, each in a
+fresh process group of its own (``launch.in_group``)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ import pytest
 import torch
 
 from tests.distributed import scenarios as S
-from tests.distributed.launch import run_distributed
+from tests.distributed.launch import free_port, in_group, run_distributed
 
 STEPS = 3
+REUSE_DISTANCES = (0, 1e9)
+PREFETCHES = (None, 0)
 
 
 def _fused_llama():
@@ -77,11 +80,28 @@ def _train(fused: bool, reuse_distance: float) -> dict[str, Any]:
             "root_params": [name for group in root.groups for name in (s.name for s in group.layout.slots)]}
 
 
-@pytest.mark.parametrize("reuse_distance", [0, 1e9])
-def test_the_head_is_a_unit_and_a_fused_loss_that_reads_its_weight_trains_like_adamw(reuse_distance):
+def _every_case(ports: list[int]) -> dict[str, Any]:
+    """Every case of this file on one spawn, each in a fresh 2-rank group on its own port."""
+    cases = [(f"train-{fused}-{reuse}", lambda _, f=fused, r=reuse: _train(f, r))
+             for reuse in REUSE_DISTANCES for fused in (False, True)]
+    cases += [(f"dpo-{prefetch}", lambda _, p=prefetch: _train_dpo_shaped(p)) for prefetch in PREFETCHES]
+    assert len(cases) == len(ports)
+    return {name: in_group(2, port, phase, "") for (name, phase), port in zip(cases, ports)}
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, list[Any]]:
+    """Each case's per-rank results."""
+    ports = [free_port() for _ in range(2 * len(REUSE_DISTANCES) + len(PREFETCHES))]
+    ranks = run_distributed(_every_case, 2, ports)
+    return {name: [rank[name] for rank in ranks] for name in ranks[0]}
+
+
+@pytest.mark.parametrize("reuse_distance", REUSE_DISTANCES)
+def test_the_head_is_a_unit_and_a_fused_loss_that_reads_its_weight_trains_like_adamw(runs, reuse_distance):
     reference = S.train_reference(S.scenario("llama", 3, steps=STEPS), world=2)
     for fused in (False, True):
-        ranks = run_distributed(_train, 2, fused, reuse_distance)
+        ranks = runs[f"train-{fused}-{reuse_distance}"]
         mean_losses = [sum(step) / len(ranks) for step in zip(*(r["losses"] for r in ranks))]
         assert mean_losses == pytest.approx(reference["losses"], abs=1e-5), (fused, reuse_distance)
         for rank in ranks:
@@ -182,15 +202,15 @@ def _reference_dpo_shaped(world: int) -> dict[str, Any]:
     return {"losses": losses, "params": S.named_flat_params(model)}
 
 
-@pytest.mark.parametrize("prefetch", [None, 0])
-def test_a_loss_whose_backward_reads_the_head_again_trains_like_adamw_across_two_forwards(prefetch):
+@pytest.mark.parametrize("prefetch", PREFETCHES)
+def test_a_loss_whose_backward_reads_the_head_again_trains_like_adamw_across_two_forwards(runs, prefetch):
     """Two forwards with autograd and a reference pass without it before one backward, with a
     loss whose backward reads ``lm_head.weight`` again after the backward has passed the head
     ([Note: parameters read without their module]). With the default prefetch the head's gather
     is still in flight when the loss reads it: under late completion (this folder's mode) a read
     that did not wait would see poison."""
     reference = _reference_dpo_shaped(world=2)
-    ranks = run_distributed(_train_dpo_shaped, 2, prefetch)
+    ranks = runs[f"dpo-{prefetch}"]
     for rank, result in enumerate(ranks):
         assert result["losses"] == pytest.approx(reference["losses"][rank], abs=1e-5), prefetch
         for name, values in reference["params"].items():
