@@ -2,7 +2,8 @@
 same optimizer in one process on the same global batch, at stages 1-3 and with CPU offload:
 torch.optim.Adafactor passed in or from the config's "optimizer" section, and Muon for the hidden 2-D weights with AdamW for the rest
 (the config's "optimizer": {"type": "Muon"}, or hf_zero's MuonWithAuxAdamW passed in) against
-torch.optim.Muon plus torch.optim.AdamW."""
+torch.optim.Muon plus torch.optim.AdamW. One spawn of 3 ranks runs every distributed case in turn,
+each in a fresh group of its own world (``launch.in_group``; at world 2 the third rank waits)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 from hf_zero.engine.muon import muon_param_groups
 from hf_zero.engine.whole_param_step import assign_owners
 from tests.distributed import scenarios as S
-from tests.distributed.launch import run_distributed
+from tests.distributed.launch import free_port, in_group, run_distributed
 from tests.tiny_models import batch_for_step
 
 LR = 2e-2  # not torch.optim.Adafactor's default (1e-2), so a config lr that is not passed on shows
@@ -63,9 +64,27 @@ def _reference(world: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Ten
     return start, {n: p.detach().reshape(-1) for n, p in model.named_parameters()}
 
 
+def _every_case(ports: list[int], root: str) -> dict[str, Any]:
+    """Every distributed case of this file, in order (the save before the resume that reads it)."""
+    cases = [(f"adafactor-{world}", world, lambda _, w=world: _train_all(w)) for world in (2, 3)]
+    cases += [(f"muon-{world}", world, lambda _, w=world: _train_muon(w)) for world in (2, 3)]
+    cases += [("torch-muon", 2, lambda _: _initialize_with_torch_muon(2)),
+              ("save", 2, lambda r: _save_after_two_steps(2, r)), ("resume", 3, lambda r: _resume_third_step(3, r))]
+    assert len(cases) == len(ports)
+    return {name: in_group(world, port, phase, root) for (name, world, phase), port in zip(cases, ports)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any]]:
+    """Each case's results, one per rank of its world."""
+    ranks = run_distributed(_every_case, 3, [free_port() for _ in range(7)], str(tmp_path_factory.mktemp("whole")))
+    return {name: [rank[name] for rank in ranks if rank[name] is not None] for name in ranks[0]}
+
+
 @pytest.mark.parametrize("world", [2, 3])
-def test_adafactor_matches_one_process_at_every_stage_and_with_offload(world):
-    ranks = run_distributed(_train_all, world, world)
+def test_adafactor_matches_one_process_at_every_stage_and_with_offload(runs, world):
+    ranks = runs[f"adafactor-{world}"]
+    assert len(ranks) == world
     start, reference = _reference(world)
     moved = max((reference[n] - start[n]).abs().max().item() for n in reference)
     assert moved > 1e-3  # the signal is far above the tolerance
@@ -150,8 +169,9 @@ def _muon_reference(world: int) -> tuple[dict[str, torch.Tensor], dict[str, torc
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_muon_with_adamw_matches_torch_at_every_stage_and_with_offload(world):
-    ranks = run_distributed(_train_muon, world, world)
+def test_muon_with_adamw_matches_torch_at_every_stage_and_with_offload(runs, world):
+    ranks = runs[f"muon-{world}"]
+    assert len(ranks) == world
     start, reference, sizes = _muon_reference(world)
     assert sizes["True"] > 0 and sizes["False"] > 0  # both optimizers have work
     moved = max((reference[n] - start[n]).abs().max().item() for n in reference)
@@ -180,10 +200,10 @@ def _initialize_with_torch_muon(world: int) -> str:
     return "no error"
 
 
-def test_torch_muon_on_a_model_with_vectors_is_refused_before_any_step():
+def test_torch_muon_on_a_model_with_vectors_is_refused_before_any_step(runs):
     """torch.optim.Muon takes 2-D weights only; passed in for a model that trains biases and
     norms too, hf_zero names them and the two ways that work."""
-    message = run_distributed(_initialize_with_torch_muon, 2, 2)[0]
+    message = runs["torch-muon"][0]
     assert "torch.optim.Muon steps 2-D weights only" in message and "\"type\": \"Muon\"" in message, message
     assert "MuonWithAuxAdamW" in message
 
@@ -259,9 +279,10 @@ def _resume_third_step(world: int, root: str) -> dict[str, Any]:
     return results
 
 
-def test_resume_at_another_world_size_and_stage_continues_the_run(tmp_path):
-    continuous = run_distributed(_save_after_two_steps, 2, 2, str(tmp_path))[0]
-    resumed = run_distributed(_resume_third_step, 3, 3, str(tmp_path))
+def test_resume_at_another_world_size_and_stage_continues_the_run(runs):
+    continuous = runs["save"][0]
+    resumed = runs["resume"]
+    assert len(resumed) == 3
     for key, got in resumed[0].items():
         kind, _, how = key.split("/")
         want = continuous[kind]
