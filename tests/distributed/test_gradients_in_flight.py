@@ -1,7 +1,9 @@
 """Which gradients a stage-3 backward still holds in flight ([Note: gradients in flight] in
 hf_zero/engine/hooks.py), seen from inside the backward of one rank of a fake world of 4 (torch's
-fake process group: its reductions never report completion, so every bucket stays in flight
-until the engine finishes it, the most a real network could ever leave there).
+fake process group). On torch 2.13 its reductions never report completion, so every bucket stays
+in flight until the engine's bound finishes it, the most a real network could ever leave there,
+and the large bucket finished early is the rule's doing. On torch 2.15 they report completion at
+once, and the engine collects each finished bucket when the next goes out.
 
 The model's units hold 512, 64, 64 and 512 weights in forward order (one bucket each). The
 backward reduces the last unit's 512 first; when the next unit's 64 go out, those 512 are more
@@ -85,7 +87,9 @@ def test_a_large_bucket_is_not_held_through_the_smaller_units_after_it() -> None
     assert held["layers.3"] == []
     assert held["layers.2"] == ["layers.3"]  # the 512 in flight while .2 runs
     assert held["layers.1"] == ["layers.2"]  # finished when .2's 64 went out
-    assert held["layers.0"] == ["layers.1", "layers.2"]  # two equal buckets in flight
+    # Two equal buckets may be in flight together; whether .2's still is depends on the torch
+    # version's fake group (below).
+    assert "layers.1" in held["layers.0"] and "layers.3" not in held["layers.0"]
 
 
 if __name__ == "__main__":

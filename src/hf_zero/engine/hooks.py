@@ -120,7 +120,7 @@ A bucket in flight holds its units' full gradients until its reduction finishes.
 in flight overlap a reduction with the next unit's backward, but the bound counts buckets, not
 bytes: an untied head's gradient (1002 MiB per rank at the Llama-3-8B shape in bf16, 2.4x a
 layer's) stayed in flight through the next layer's backward and, with the fake process group of
-the simulation, whose reductions never report completion, through the embedding's. So under
+the simulation (torch 2.13: its reductions never report completion), through the embedding's. So under
 stage 3 a bucket going out first finishes the oldest ones while they hold more than
 ``BUCKETS_IN_FLIGHT - 1`` times its own bytes: equal layers keep two in flight, a bucket much
 larger than the next is finished before the next goes out. The estimator's replay applies the
