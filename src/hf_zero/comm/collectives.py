@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
-from hf_zero.comm.exchange import ExchangeReduceScatter
+from hf_zero.comm.exchange import ExchangeAllGather, ExchangeReduceScatter
 from hf_zero.comm.process_group import leave_gloo_groups_at_exit
 from hf_zero.execution import (
     AsyncOrderError, Completion, WrongDeviceError, check_launch, execution_for, late_completion, rank_device,
@@ -243,6 +243,7 @@ class Communicator:
         self.timeout_s = timeout_s  # the collective timeout hf_zero set, if it did (see [Note: collective errors])
         self.where: Callable[[], str] = lambda: "initialize"  # the engine points this at its counters
         self._reduce_scatter_by_exchange = self.world_size > 1 and dist.get_backend(self.grad_group) == "gloo"
+        self._all_gather_by_exchange = self.world_size > 1 and dist.get_backend(self.shard_group) == "gloo"
 
     @contextmanager
     def _reporting(self, kind: str, label: str) -> Iterator[None]:
@@ -317,6 +318,12 @@ class Communicator:
                     out.copy_(inp)
                 return None
             with record_function(f"hf_zero::all_gather::{label}"):  # failures: reported by _run
+                if self._all_gather_by_exchange and out.device.type == "cpu":
+                    work = ExchangeAllGather(out, inp, self.shard_group)  # [Note: all-gather on gloo]
+                    if not async_:
+                        work.wait()
+                        return None
+                    return work
                 return _ALL_GATHER(out, inp, group=self.shard_group, async_op=async_)
 
         return self._run("all_gather", "all-gather", label, output, shard, issue, async_op, after)
