@@ -19,7 +19,7 @@ stage         compute params              gradients         fp32 master       Ad
 ============  ==========================  ================  ================  ===========
 
 [1] the fp32 copy only when c = 2. [2] zero when c = 4: the fp32 master *is* the parameter
-(see [Note: master aliasing] in engine/flat_group.py). Ψ_p: stage-3 persistent parameters (at
+(see [Note: master aliasing] in engine/master_state.py). Ψ_p: stage-3 persistent parameters (at
 or under ``stage3_param_persistence_threshold`` elements each), kept whole on every rank.
 Every Ψ is padded: within a flat group each parameter starts at a multiple of 8 elements, and
 the group ends at a multiple of ``N x 8`` elements, a stage-3 persistent group at a multiple of
@@ -57,7 +57,7 @@ in engine/hooks.py) replayed on unit sizes, c bytes per element, and its peak ta
   is finished before the next goes out: [Note: gradients in flight] in engine/hooks.py), plus
   autograd's gradient of the unit's largest parameter before it is added into its ``.grad`` view,
   unless its group takes autograd's gradient as it is ([Note: a gradient autograd hands over] in
-  engine/flat_group.py: a sharded group of one unpadded parameter, as an embedding or a head).
+  engine/grad_buffer.py: a sharded group of one unpadded parameter, as an embedding or a head).
 A group of ``IN_PLACE_NUMEL`` elements or more is a bucket of its own; smaller ones share
 buckets of B ([Note: buckets] in engine/buckets.py). Not counted: activations and logits (the
 test runs 16 tokens: together with the fp32 gradient shards the first step allocates, 0.3-1.4%
@@ -229,7 +229,7 @@ def unit_sizes(groups: list[GroupStats]) -> list[UnitSizes]:
         if g.trainable:
             u.grad_groups.append(g.padded_numel)
             # A sharded group of one unpadded parameter takes autograd's gradient as its flat
-            # gradient ([Note: a gradient autograd hands over] in engine/flat_group.py): no copy.
+            # gradient ([Note: a gradient autograd hands over] in engine/grad_buffer.py): no copy.
             adopted = not g.persistent and g.largest_param_numel == g.numel == g.padded_numel
             u.largest_grad = max(u.largest_grad, 0 if adopted else g.largest_param_numel)
     order = [g.unit for g in groups]

@@ -80,7 +80,7 @@ def _train_with_wait_moved(sc: dict[str, Any], late: bool, mutation: str) -> lis
     here and the second crashed a rank (SIGSEGV, a send reading freed memory); on a GPU either
     can pass for thousands of steps. Under late completion each fails the same way every time,
     with the operation named."""
-    from hf_zero.engine.flat_group import FlatParamGroup
+    from hf_zero.engine.grad_buffer import GradBuffer
     from hf_zero.engine.unit import ParamState, ZeroUnit
     from hf_zero.execution import checking
 
@@ -94,13 +94,15 @@ def _train_with_wait_moved(sc: dict[str, Any], late: bool, mutation: str) -> lis
 
         ZeroUnit.unshard = unshard_trusting_prefetch  # type: ignore[method-assign]
     elif mutation == "free_grads":
-        original_finish = FlatParamGroup.finish_reduce
+        original_finish = GradBuffer.finish_reduce
 
-        def finish_freeing_first(self: FlatParamGroup, pending: Any) -> None:
-            self.release_grads()  # the mutation: the reduce-scatter's input freed before its wait
+        def finish_freeing_first(self: GradBuffer, pending: Any) -> None:
+            # The mutation: the reduce-scatter's input freed before its wait (its memory only:
+            # GradBuffer.release would also end the reduction, which finish_reduce refuses).
+            self.buffers.release(self.full)
             original_finish(self, pending)
 
-        FlatParamGroup.finish_reduce = finish_freeing_first  # type: ignore[method-assign]
+        GradBuffer.finish_reduce = finish_freeing_first  # type: ignore[method-assign]
     with checking(late):
         try:
             return [sum(step) for step in S.train_engine(sc)["losses"]]

@@ -60,7 +60,7 @@ def _play() -> dict[str, list[str]]:
 
         def record(name: str) -> None:
             held[name] = [other for other in UNITS
-                          if any(g.grad_full is not None and g.grad_full.untyped_storage().nbytes() > 0
+                          if any(g.grads.full is not None and g.grads.full.untyped_storage().nbytes() > 0
                                  for g in units[other].groups)]
 
         for name in UNITS:
@@ -83,7 +83,7 @@ def test_a_large_bucket_is_not_held_through_the_smaller_units_after_it() -> None
     assert run.returncode == 0 and lines, f"rc {run.returncode}\n{run.stdout[-4000:]}\n{run.stderr[-8000:]}"
     held = json.loads(lines[-1][len(RESULT_MARK):])
     # Backward order: layers.3, .2, .1, .0. A unit's own gradient is autograd's until its
-    # reduction ([Note: a gradient autograd hands over] in flat_group.py): what is listed is in flight.
+    # reduction ([Note: a gradient autograd hands over] in grad_buffer.py): what is listed is in flight.
     assert held["layers.3"] == []
     assert held["layers.2"] == ["layers.3"]  # the 512 in flight while .2 runs
     assert held["layers.1"] == ["layers.2"]  # finished when .2's 64 went out

@@ -69,9 +69,9 @@ def _observe(stage: int, overlap: bool) -> dict[str, Any]:
         "timers": timers, "table": table, "report": engine.memory_report(), "trace": names,
         "progress": [line for line in handler.lines if " loss " in line and "grad_norm" in line],
         "sharded_units": sum(1 for u in engine.units if u.sharded_numel),
-        "sharded_labels": [g.label for g in groups if g.sharded_between_uses],
+        "sharded_labels": [g.label for g in groups if g.storage.sharded_between_uses],
         "trainable_labels": [g.label for g in groups if g.kind.trainable],
-        "replicated_labels": [g.label for g in groups if not g.sharded_between_uses],
+        "replicated_labels": [g.label for g in groups if not g.storage.sharded_between_uses],
     }
 
 

@@ -72,7 +72,7 @@ def test_a_flat_group_binds_aligned_parameters_and_gradients(dtype, stage):
     model = odd_model()
     group = FlatParamGroup("odd#0", list(model.named_parameters()), GroupKind(True, False, 0), Communicator(),
                            ShardingPolicy.for_stage(stage), dtype, torch.device("cpu"))
-    group.unshard()  # stage 3: gather the full buffer (a no-op otherwise)
-    group.prepare_grads()
+    group.storage.unshard()  # stage 3: gather the full buffer (a no-op otherwise)
+    group.grads.prepare()
     for name, param in model.named_parameters():
         assert param.dtype == dtype and aligned(param) and aligned(param.grad), (name, dtype, stage)

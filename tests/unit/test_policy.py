@@ -102,18 +102,18 @@ def test_a_flat_group_shards_what_its_policy_says() -> None:
     sharded = ShardingPolicy(shards_optimizer_state=True, shards_gradients=True, shards_params=True,
                              reshard_after_forward=True)
     g = group(sharded)
-    assert g.sharded_between_uses and not g.is_unsharded  # only the shard is left after construction
-    assert g.grad_full is not None and not g.has_grads()  # the full gradients come and go
+    assert g.storage.sharded_between_uses and not g.storage.is_unsharded  # only the shard is left after construction
+    assert g.grads.full is not None and not g.grads.has_grads()  # the full gradients come and go
 
     g = group(dataclasses.replace(sharded, shards_params=False, reshard_after_forward=False))
-    assert not g.sharded_between_uses and g.is_unsharded
+    assert not g.storage.sharded_between_uses and g.storage.is_unsharded
 
     replicated = ShardingPolicy(shards_optimizer_state=False, shards_gradients=False, shards_params=False,
                                 reshard_after_forward=False)
     g = group(replicated)
     # Nothing sharded: the all-reduce's gradient buffer lives for the run and, in fp32, is the
     # gradient the optimizer reads.
-    assert g.has_grads() and g.master is not None and g.master.grad is g.grad_full
+    assert g.grads.has_grads() and g.master is not None and g.master.grad is g.grads.full
 
 
 def _engine(monkeypatch: pytest.MonkeyPatch, **changes: object):

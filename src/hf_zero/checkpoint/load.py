@@ -161,7 +161,7 @@ def _plan_reads(engine: EngineState, ckpt_dir: str, manifest: dict[str, Any], lo
     per_slot = engine.optimizer is not None and getattr(engine.optimizer.inner, "per_slot_steps", False)
     for group in flat_groups(engine):
         pieces = plan_pieces(group.layout.slots, group.shard_range, saved)
-        keys = _optim_keys(group, saved, manifest, manifest_path) if load_optimizer and group.master is not None else []
+        keys = _optim_keys(group, saved, manifest, manifest_path) if load_optimizer and group.master_state.tensor is not None else []
         check_streamed_keys(engine, group, keys, manifest_path)
         source = saved[group.layout.slots[0].name].group_index
         record = manifest["groups"][source]
@@ -282,10 +282,10 @@ def _load_parameters(engine: EngineState, plan: _Plan) -> None:
         if is_streamed(engine, group):  # see [Note: checkpoints of NVMe-offloaded state]
             load_streamed_parameters(engine, group, item.pieces, plan.files)
             continue
-        target = group.master if group.master is not None else group.shard
-        _fill(target, item.pieces, PARAM_KEY, plan.files)
-        if group.master is not None and group.master.data_ptr() != group.shard.data_ptr():
-            group.write_compute_shard(group.master)  # the compute copy is the cast of the master
+        master = group.master_state.tensor
+        _fill(master if master is not None else group.storage.shard, item.pieces, PARAM_KEY, plan.files)
+        if master is not None and not group.master_state.is_compute_shard:
+            group.storage.write_shard(master)  # the compute copy is the cast of the master
     for item in plan.groups:  # same order on every rank: these are collectives
         item.group.gather_updated_shards()
     whole = whole_params_of(engine)
@@ -298,7 +298,7 @@ def _load_optimizer(engine: EngineState, plan: _Plan, hyper_groups: list[dict[st
     for group, hyper in zip(inner.param_groups, hyper_groups):
         group.update({k: v for k, v in hyper.items() if k != "params"})
     for item in plan.groups:
-        master = item.group.master
+        master = item.group.master_state.tensor
         if master is None:
             continue
         if is_streamed(engine, item.group):

@@ -35,14 +35,14 @@ if TYPE_CHECKING:
 def _store(engine: EngineState, group: FlatParamGroup) -> Any:
     """The optimizer's NVMe store when it holds this group's state, else None."""
     optimizer = engine.optimizer
-    if optimizer is None or optimizer.nvme is None or group.nvme_index is None:
+    if optimizer is None or optimizer.nvme is None or group.master_state.nvme_index is None:
         return None
     return optimizer.nvme
 
 
 def is_streamed(engine: EngineState, group: FlatParamGroup) -> bool:
     """Whether the group's checkpointed state is in files (then this module saves and loads it)."""
-    return _store(engine, group) is not None or (group.master is None and group.nvme_shard is not None)
+    return _store(engine, group) is not None or (group.master_state.tensor is None and group.storage.nvme_shard is not None)
 
 
 def _tile_numel(group: FlatParamGroup) -> int:
@@ -56,10 +56,10 @@ def streamed_entries(engine: EngineState, group: FlatParamGroup) -> tuple[Tensor
     label, numel = group.label, group.layout.shard_numel
     store = _store(engine, group)
     if store is None:  # a frozen group whose compute shard is in a file
-        shard = group.nvme_shard
+        shard = group.storage.nvme_shard
         produce = lambda: shard.iter_tiles(_tile_numel(group))  # noqa: E731
         return TensorEntry(tensor_name(label, PARAM_KEY), shard.dtype, (numel,), produce), [], {}
-    index = group.nvme_index
+    index = group.master_state.nvme_index
 
     def tiles(state: str) -> Callable[[], Iterator[torch.Tensor]]:
         return lambda: store.iter_tiles(index, state)
@@ -108,8 +108,8 @@ def load_streamed_parameters(engine: EngineState, group: FlatParamGroup, pieces:
     numel = group.layout.shard_numel
     for start, tile in _filled_tiles(numel, pieces, PARAM_KEY, files, _tile_numel(group)):
         if store is not None:
-            store.write(group.nvme_index, "master", start, tile)
-        group.write_compute_shard(tile, start)
+            store.write(group.master_state.nvme_index, "master", start, tile)
+        group.storage.write_shard(tile, start)
 
 
 def load_streamed_optimizer(engine: EngineState, group: FlatParamGroup, pieces: list[Piece], keys: list[str],
@@ -120,11 +120,11 @@ def load_streamed_optimizer(engine: EngineState, group: FlatParamGroup, pieces: 
     for key in MOMENTS:
         if key in keys:
             for start, tile in _filled_tiles(numel, pieces, OPTIM_PREFIX + key, files, store.tile_numel):
-                store.write(group.nvme_index, key, start, tile)
+                store.write(group.master_state.nvme_index, key, start, tile)
         else:  # saved before the first step: fresh moments
             zeros = torch.zeros(store.tile_numel, dtype=torch.float32)
             for start in range(0, numel, store.tile_numel):
-                store.write(group.nvme_index, key, start, zeros[: min(store.tile_numel, numel - start)])
-    store.steps[group.nvme_index] = int(scalars.get("step", 0)) if keys else 0
+                store.write(group.master_state.nvme_index, key, start, zeros[: min(store.tile_numel, numel - start)])
+    store.steps[group.master_state.nvme_index] = int(scalars.get("step", 0)) if keys else 0
     slot_steps = scalars.get("slot_steps") if keys else None
-    store.slot_steps[group.nvme_index] = [int(c) for c in slot_steps] if slot_steps is not None else None
+    store.slot_steps[group.master_state.nvme_index] = [int(c) for c in slot_steps] if slot_steps is not None else None

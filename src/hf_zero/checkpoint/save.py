@@ -73,12 +73,13 @@ def default_tag(engine: EngineState) -> str:
 def _optimizer_state(engine: EngineState, group: FlatParamGroup) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The inner optimizer's state of a group's master, split in element-wise tensors (sharded
     like the master, written to the rank file) and the rest (small, written to the manifest)."""
-    if engine.optimizer is None or group.master is None:
+    master = group.master_state.tensor
+    if engine.optimizer is None or master is None:
         return {}, {}
-    state = engine.optimizer.inner.state.get(group.master, {})
+    state = engine.optimizer.inner.state.get(master, {})
     elementwise, scalars = {}, {}
     for key, value in state.items():
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == group.master.shape:
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == master.shape:
             elementwise[key] = value
         else:
             scalars[key] = value
@@ -90,7 +91,8 @@ def _group_tensors(engine: EngineState, group: FlatParamGroup) -> tuple[TensorEn
     element-wise optimizer entries and its optimizer scalars."""
     if is_streamed(engine, group):  # see [Note: checkpoints of NVMe-offloaded state]
         return streamed_entries(engine, group)
-    data = group.master if group.master is not None else group.shard
+    master = group.master_state.tensor
+    data = master if master is not None else group.storage.shard
     elementwise, scalars = _optimizer_state(engine, group)
     optim = [(key, TensorEntry.of(tensor_name(group.label, OPTIM_PREFIX + key), value)) for key, value in elementwise.items()]
     return TensorEntry.of(tensor_name(group.label, PARAM_KEY), data), optim, scalars

@@ -37,7 +37,8 @@ from typing import Any, Iterator
 import torch
 
 from hf_zero.comm import Communicator, Handle
-from hf_zero.engine.flat_group import FlatParamGroup, PendingReduce
+from hf_zero.engine.flat_group import FlatParamGroup
+from hf_zero.engine.grad_buffer import PendingReduce
 from hf_zero.engine.grad_average import plan_average
 from hf_zero.engine.unit import GradState, ZeroUnit
 from hf_zero.kernels import pack_for_reduce_scatter, unpack_after_all_gather
@@ -60,7 +61,7 @@ class PendingBucket:
     def grad_bytes(self) -> int:
         """The gradient bytes the reduction holds until it finishes ([Note: gradients in flight]
         in hooks.py)."""
-        return sum(g.grad_bytes for g in self.groups)
+        return sum(g.grads.full_bytes for g in self.groups)
 
     def is_completed(self) -> bool:
         """Whether waiting would return at once."""
@@ -87,19 +88,19 @@ def start_bucket(
         return None
     if len(groups) == 1 or not comm.active:
         # Nothing to pack: a lone group (or world size 1) reduces in place, group by group.
-        started = [(g, g.start_reduce(reduce_dtype, async_op)) for g in groups]
+        started = [(g, g.grads.start_reduce(reduce_dtype, async_op)) for g in groups]
         return PendingBucket(groups, per_group=[(g, p) for g, p in started if p is not None])
     world = comm.world_size
     for group in groups:
-        group.prepare_grads()  # zeros for a group that got no gradient this backward
+        group.grads.prepare()  # zeros for a group that got no gradient this backward
     send = torch.empty(sum(g.layout.padded_numel for g in groups), dtype=reduce_dtype,
-                       device=groups[0].grad_full.device)
+                       device=groups[0].grads.full.device)
     average = plan_average(reduce_dtype, comm, send.device)
     if not groups[0].policy.shards_optimizer_state:
         return _start_all_reduce(groups, comm, send, average, async_op)
-    pack_for_reduce_scatter([g.grads_to_reduce() for g in groups], world, send, scale=1.0 / average.pre_divisor)
+    pack_for_reduce_scatter([g.grads.to_reduce() for g in groups], world, send, scale=1.0 / average.pre_divisor)
     for group in groups:
-        group.release_grads()  # packed: the full gradients are no longer needed
+        group.grads.release()  # packed: the full gradients are no longer needed
     received = torch.empty(send.numel() // world, dtype=reduce_dtype, device=send.device)
     handle = comm.reduce_scatter_into(received, send, label=_bucket_label(groups), async_op=async_op, op=average.op)
     return PendingBucket(groups, handle=handle, received=received, send=send, divisor=average.post_divisor)
@@ -113,8 +114,8 @@ def _start_all_reduce(groups: list[FlatParamGroup], comm: Communicator, send: to
     offset = 0
     for group in groups:
         numel = group.layout.padded_numel
-        send[offset:offset + numel].copy_(group.grads_to_reduce())
-        group.drop_grad_accum()  # packed; the 16-bit .grad views stay (stage 0 keeps them)
+        send[offset:offset + numel].copy_(group.grads.to_reduce())
+        group.grads.drop_accum()  # packed; the 16-bit .grad views stay (stage 0 keeps them)
         offset += numel
     if average.pre_divisor > 1:
         send.div_(average.pre_divisor)
@@ -126,7 +127,7 @@ def finish_bucket(pending: PendingBucket) -> None:
     """Wait for a bucket and add each group's part into its fp32 gradient shard."""
     if pending.per_group is not None:
         for group, reduce in pending.per_group:
-            group.finish_reduce(reduce)
+            group.grads.finish_reduce(reduce)
         return
     if pending.handle is not None:
         pending.handle.wait()
@@ -134,7 +135,7 @@ def finish_bucket(pending: PendingBucket) -> None:
     for group in pending.groups:
         numel = group.layout.shard_numel
         part = pending.received[offset : offset + numel]
-        group.accept_reduced(part, pending.divisor)
+        group.grads.accept_reduced(part, pending.divisor)
         offset += numel
 
 
@@ -209,12 +210,12 @@ def all_gather_updated(groups: list[FlatParamGroup], comm: Communicator, bucket_
     persistent stage-3 groups), one all-gather per bucket (see [Note: buckets])."""
     if not comm.active:
         return
-    eligible = [g for g in groups if g.policy.shards_optimizer_state and not g.sharded_between_uses]
+    eligible = [g for g in groups if g.policy.shards_optimizer_state and not g.storage.sharded_between_uses]
     for bucket in split_buckets(eligible, bucket_numel):
         if len(bucket) == 1:
             bucket[0].gather_updated_shards()  # in place: the shard is a view of the full buffer
             continue
-        send = torch.cat([g.full[slice(*g.shard_range)] for g in bucket])
+        send = torch.cat([g.storage.full[slice(*g.shard_range)] for g in bucket])
         received = torch.empty(send.numel() * comm.world_size, dtype=send.dtype, device=send.device)
         comm.all_gather_into(received, send, label=f"{_bucket_label(bucket)}.step")
-        unpack_after_all_gather(received, comm.world_size, [g.full for g in bucket])
+        unpack_after_all_gather(received, comm.world_size, [g.storage.full for g in bucket])

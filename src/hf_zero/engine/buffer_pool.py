@@ -3,7 +3,7 @@
 [Note: the buffer pool]
 Under stage 3 each unit's full parameters are allocated for its forward and again for its
 backward, and its full gradients for its backward; stages 1-2 allocate every unit's full
-gradients in each backward ([Note: views into flat buffers] in flat_group.py). On a GPU the
+gradients in each backward ([Note: views into flat buffers] in param_storage.py). On a GPU the
 CUDA caching allocator reuses such blocks, which is what FSDP2 and DeepSpeed rely on. The host
 has no such allocator: glibc either maps each large block fresh, zero-filled page by page on
 first touch, or serves it from its heap, which then grows by a step's worth of buffers and keeps
@@ -28,7 +28,7 @@ the engine owns those buffers, and never changes the process's allocator:
 - [Note: the buffer pool in the backward] A size two groups share is not always taken again:
   an untied head and the embedding have the same shape, but the embedding's backward gathers
   nothing and its gradient is autograd's own ([Note: a gradient autograd hands over] in
-  flat_group.py). So when a unit is released in the backward, the idle buffers of every size
+  grad_buffer.py). So when a unit is released in the backward, the idle buffers of every size
   that no later unit of the backward takes are let go (``release_idle(keep=...)``, the sizes
   computed once from the backward order): the head's parameter buffer was kept through the
   layers' and the embedding's backward, 1002 MiB per rank at the Llama-3-8B shape.

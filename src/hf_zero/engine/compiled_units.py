@@ -25,7 +25,7 @@ A CUDA graph (``mode="reduce-overhead"`` and ``"max-autotune"``, inductor's
 ``options={"triton.cudagraphs": True}``, the ``cudagraphs`` backend) replays the kernels it
 recorded on the memory addresses it recorded. Stage 3 gathers each unit's parameters into a
 buffer allocated for that unit's forward and freed after it, at a new address every step (see
-[Note: views into flat buffers] in flat_group.py): a replay would read whatever lives at the
+[Note: views into flat buffers] in param_storage.py): a replay would read whatever lives at the
 old address by then. So ``engine.compile`` refuses these at stage 3, before compiling anything;
 the other modes compile as above, and stages 0-2 keep their parameters in place.
 """

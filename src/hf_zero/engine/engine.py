@@ -282,7 +282,7 @@ class ZeroEngine(nn.Module):
         for unit in self.units:
             for group in unit.groups:
                 if self.policy.shards_optimizer_state:  # else the all-reduce's buffer stays
-                    group.release_grads()
+                    group.grads.release()
 
     # ------------------------------------------------------------------ full parameters
     def _units_of(self, params: Iterable[torch.Tensor] | None) -> list[ZeroUnit]:
@@ -311,7 +311,7 @@ class ZeroEngine(nn.Module):
                 with torch.no_grad():
                     for unit in units:
                         for group in unit.groups:
-                            self.comm.broadcast_(group.full, src=modifier_rank, label=f"{group.label}.modify")
+                            self.comm.broadcast_(group.storage.full, src=modifier_rank, label=f"{group.label}.modify")
                             group.refresh_from_full()
             if self.policy.shards_params:
                 for unit in units:

@@ -267,7 +267,7 @@ class UnitProtocol:
         if self.policy.shards_params:
             for unit in self.units[:-1]:
                 for group in unit.groups:
-                    if group.sharded_between_uses:
+                    if group.storage.sharded_between_uses:
                         for param in group.params:
                             param._hf_zero_gather_on_read = partial(self.gather_on_read, unit)
 
@@ -484,7 +484,7 @@ class UnitProtocol:
                 "unit order on this rank. Make the module a single unit "
                 "(zero_optimization.wrap_modules) or run it in the model's order"
             )
-        group.grads_received[index] = True  # [Note: parameters no rank used]
+        group.grads.received[index] = True  # [Note: parameters no rank used]
         unit.pending_grads -= 1
         if unit.pending_grads == 0:
             self._maybe_release(unit)  # the parameters; the gradients may still be in flight
@@ -506,7 +506,7 @@ class UnitProtocol:
         async_op = limit > 0
         self._collect_finished()
         # [Note: gradients in flight]: a bucket larger than the one going out is finished first.
-        new_bytes = sum(g.grad_bytes for g in groups)
+        new_bytes = sum(g.grads.full_bytes for g in groups)
         while self.in_flight and (len(self.in_flight) >= max(limit, 1) or (
                 self.policy.shards_params and sum(p.grad_bytes for p in self.in_flight) > (limit - 1) * new_bytes)):
             self._finish(self.in_flight.pop(0))
@@ -539,7 +539,7 @@ class UnitProtocol:
         if self.on_grads_final is not None and self.is_boundary():
             # Only groups whose every parameter this rank used: whether another rank used the
             # rest is known at the step ([Note: parameters no rank used]).
-            self.on_grads_final([g for g in pending.groups if g.grad_shard is not None and g.fully_received])
+            self.on_grads_final([g for g in pending.groups if g.grads.shard is not None and g.grads.fully_received])
 
     def finish_backward(self) -> None:
         self.finish_queued = False
@@ -550,7 +550,7 @@ class UnitProtocol:
         if not self.policy.shards_gradients and not self.is_boundary():
             for unit in self.units:  # 16-bit gradients summed in fp32 across micro-steps
                 for group in unit.trainable_groups:
-                    group.fold_grads(self.grad_accum_dtype)
+                    group.grads.fold(self.grad_accum_dtype)
         if self.policy.shards_gradients or self.is_boundary():
             for bucket in self.reductions.remaining():
                 self._timed("reduce", self._launch, bucket)

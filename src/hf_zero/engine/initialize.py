@@ -500,8 +500,8 @@ def _nvme_store(offload: OffloadSettings, rank: int, groups: list[Any]) -> NvmeO
     """Create the state files (checked before anything is written) and move the masters in."""
     store = NvmeOptimizerStore(offload.nvme_path, rank, [g.layout.shard_numel for g in groups], offload.tile_numel)
     for index, group in enumerate(groups):
-        group.nvme_index, group.nvme_store = index, store
-        store.store_master(index, group.read_compute_shard())
+        group.master_state.bind_nvme(store, index)
+        store.store_master(index, group.storage.read_shard())
     return store
 
 

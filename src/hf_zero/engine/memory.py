@@ -2,7 +2,7 @@
 
 Each storage is counted once, at its full allocated size, in the first category that reaches it
 (a master that aliases the compute parameters is counted as parameters; see
-[Note: master aliasing] in flat_group.py). Freed storages count zero.
+[Note: master aliasing] in master_state.py). Freed storages count zero.
 """
 
 from __future__ import annotations
@@ -55,23 +55,23 @@ def memory_report(units: list[Any], optimizer: Any, module: nn.Module) -> dict[s
     counter = _StorageCounter()
     groups = [g for u in units for g in u.groups]
     host = {id(g): g.offload.optimizer_on_host for g in groups}
-    counter.add("compute_params", (g.full for g in groups))
-    counter.add("host_params", (g.shard for g in groups if g.shard_on_host))
+    counter.add("compute_params", (g.storage.full for g in groups))
+    counter.add("host_params", (g.storage.shard for g in groups if g.storage.shard_on_host))
     # NVMe parameter offload: the pool of host buffers the file-backed shards are read into.
     counter.add("host_params", (b for s in _param_stores(groups) for b in s.pool.buffers))
-    counter.add("compute_params", (g.shard for g in groups if not g.shard_on_host))
-    counter.add("gradients", (g.grad_full for g in groups))
-    counter.add("host_gradients", (g.grad_shard for g in groups if host[id(g)]))
-    counter.add("gradients", (g.grad_shard for g in groups if not host[id(g)]))
-    counter.add("host_fp32_master", (g.master for g in groups if host[id(g)]))
-    counter.add("fp32_master", (g.master for g in groups if not host[id(g)]))
+    counter.add("compute_params", (g.storage.shard for g in groups if not g.storage.shard_on_host))
+    counter.add("gradients", (g.grads.full for g in groups))
+    counter.add("host_gradients", (g.grads.shard for g in groups if host[id(g)]))
+    counter.add("gradients", (g.grads.shard for g in groups if not host[id(g)]))
+    counter.add("host_fp32_master", (g.master_state.tensor for g in groups if host[id(g)]))
+    counter.add("fp32_master", (g.master_state.tensor for g in groups if not host[id(g)]))
     # A shape-aware optimizer's full-shape masters, one owner rank each ([Note: whole-parameter
     # step]), live on the compute device whatever the offload.
     whole = getattr(optimizer, "whole_params", None)
     if whole is not None:
         counter.add("fp32_master", (master for _, master in whole.owned_masters()))
     # Step counters are 0-d tensors in torch optimizers; they are state too.
-    hosted_masters = {id(g.master) for g in groups if host[id(g)] and g.master is not None}
+    hosted_masters = {id(g.master_state.tensor) for g in groups if host[id(g)] and g.master_state.tensor is not None}
     counter.add("host_optimizer_state", _state_tensors(optimizer, hosted_masters, True))
     counter.add("optimizer_state", _state_tensors(optimizer, hosted_masters, False))
     counter.add("buffers", module.buffers())

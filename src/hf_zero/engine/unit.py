@@ -102,7 +102,7 @@ class ZeroUnit:
         self.trainable_groups = [g for g in self.groups if g.kind.trainable]
         # Frozen gathered parameters get no gradient hook, yet the backward may still read them
         # after the last trainable gradient: see [Note: releasing a unit in backward].
-        self.has_frozen_sharded = any(g.sharded_between_uses and not g.kind.trainable for g in self.groups)
+        self.has_frozen_sharded = any(g.storage.sharded_between_uses and not g.kind.trainable for g in self.groups)
         # A plain nn.Embedding's backward reads only the indices, never the weight: stage 3
         # neither keeps it gathered for the backward nor gathers it there ([Note: units whose
         # backward reads no parameter] in hooks.py).
@@ -120,18 +120,18 @@ class ZeroUnit:
     @property
     def sharded_numel(self) -> int:
         """Elements that are gathered and freed around use (stage 3, non-persistent)."""
-        return sum(g.layout.padded_numel for g in self.groups if g.sharded_between_uses)
+        return sum(g.layout.padded_numel for g in self.groups if g.storage.sharded_between_uses)
 
     def buffer_sizes_in_backward(self) -> frozenset[int]:
         """The sizes of the buffers this unit's backward takes from the pool: its gathered
         parameters (unless its backward reads none), its flat gradients (unless autograd's are
-        adopted: [Note: a gradient autograd hands over] in flat_group.py)."""
+        adopted: [Note: a gradient autograd hands over] in grad_buffer.py)."""
         sizes = set()
         for group in self.groups:
-            if group.sharded_between_uses and self.backward_reads_params:
-                sizes.add(group.full.numel() * group.full.element_size())
-            if group.grad_full is not None and not group.adopts_autograd_grad:
-                sizes.add(group.grad_bytes)
+            if group.storage.sharded_between_uses and self.backward_reads_params:
+                sizes.add(group.storage.full.numel() * group.storage.full.element_size())
+            if group.grads.full is not None and not group.grads.adopts_autograd_grad:
+                sizes.add(group.grads.full_bytes)
         return frozenset(sizes)
 
     # ----------------------------------------------------------------- parameter state
@@ -154,12 +154,12 @@ class ZeroUnit:
             return
         self._move_params(ParamState.GATHERING if async_op else ParamState.GATHERED)
         for group in self.groups:
-            group.unshard(async_op=async_op)
+            group.storage.unshard(async_op=async_op)
 
     def wait_unshard(self) -> None:
         if self.param_state is ParamState.GATHERING:
             for group in self.groups:
-                group.wait_unshard()
+                group.storage.wait_unshard()
             self._move_params(ParamState.GATHERED)
 
     def reshard(self) -> None:
@@ -168,7 +168,7 @@ class ZeroUnit:
             return
         self.wait_unshard()
         for group in self.groups:
-            group.reshard()
+            group.storage.reshard()
         self._move_params(ParamState.SHARDED)
 
     # ----------------------------------------------------------------- gradient state
@@ -186,7 +186,7 @@ class ZeroUnit:
     def prepare_grads(self) -> None:
         """Before the unit's backward."""
         for group in self.groups:
-            group.prepare_grads(for_backward=True)
+            group.grads.prepare(for_backward=True)
 
     def reset_backward_state(self) -> None:
         self.grad_state = GradState.IDLE

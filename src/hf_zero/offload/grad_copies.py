@@ -39,7 +39,7 @@ IN_FLIGHT = 2  # reduced parts whose copy to the host may be in flight at once
 
 @dataclass
 class _Copy:
-    group: Any  # the FlatParamGroup whose gradient shard it goes into
+    grads: Any  # the GradBuffer whose gradient shard it goes into
     staging: torch.Tensor
     copied: Completion
     divisor: int
@@ -52,16 +52,17 @@ class HostGradCopies:
         self._queue: deque[_Copy] = deque()
         self._lock = threading.Lock()
 
-    def push(self, group: Any, staging: torch.Tensor, copied: Completion, divisor: int) -> None:
+    def push(self, grads: Any, staging: torch.Tensor, copied: Completion, divisor: int) -> None:
         with self._lock:
-            self._queue.append(_Copy(group, staging, copied, divisor))
+            self._queue.append(_Copy(grads, staging, copied, divisor))
             while len(self._queue) > IN_FLIGHT:
                 self._land_oldest()
 
-    def land(self, group: Any) -> None:
-        """Every copy queued up to ``group``'s last one has landed in its shard."""
+    def land(self, grads: Any) -> None:
+        """Every copy queued up to the last one of ``grads`` (a flat group's GradBuffer) has
+        landed in its shard."""
         with self._lock:
-            while any(c.group is group for c in self._queue):
+            while any(c.grads is grads for c in self._queue):
                 self._land_oldest()
 
     def in_flight(self) -> int:
@@ -70,4 +71,4 @@ class HostGradCopies:
     def _land_oldest(self) -> None:
         copy = self._queue.popleft()
         copy.copied.wait_on_host()
-        copy.group.grad_shard.add_(copy.staging, alpha=1.0 / copy.divisor)
+        copy.grads.shard.add_(copy.staging, alpha=1.0 / copy.divisor)

@@ -8,7 +8,7 @@ long) in ``<nvme_path>/hf_zero-rank<r>-pid<pid>/params/<group label>.<dtype>``; 
 ``max_in_cpu`` elements (per rank, in model order) stay in host memory instead, exactly as with
 ``offload_param.device: "cpu"``.
 
-- Gather (``FlatParamGroup.unshard``): the shard is read synchronously into one of
+- Gather (``ParamStorage.unshard``): the shard is read synchronously into one of
   ``buffer_count`` host buffers, then the all-gather is issued from that buffer, asynchronously
   when it is a prefetch. The buffer is handed back when the gather is waited for (at once on a
   GPU, where the shard is first copied to the device). When every buffer is held by a gather in

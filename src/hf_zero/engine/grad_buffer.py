@@ -1,0 +1,315 @@
+"""A flat group's gradients: the full flat gradient buffer autograd writes into (its ``.grad``
+views, [Note: views into flat buffers] in param_storage.py), its fp32 sum across micro-steps,
+its reduction, and the fp32 gradient shard the optimizer reads.
+
+[Note: a gradient autograd hands over]
+A stage-3 group's full gradient is a flat buffer that the ``.grad`` views point into, so
+autograd accumulates each parameter's gradient into it. For a parameter alone in its group
+and filling it exactly (an embedding, an untied head: the largest buffers of a decoder), the
+buffer would be a second copy of the tensor autograd makes anyway: the buffer, zeroed before
+the backward, plus autograd's gradient, added into it, held 3 x 1002 MiB per rank at the
+Llama-3-8B head's backward (parameters, buffer, autograd's gradient). Such a group gets no
+buffer before its backward: autograd's gradient becomes ``.grad`` itself, and at the
+reduction its memory moves into the flat buffer's storage object
+(``UntypedStorage._swap_data_ptr_``; the object, which views and the pool know, stays), so
+the reduction reads it where autograd wrote it. A gradient that does not fit (another dtype,
+not contiguous, a second micro-step's sum already in the buffer) takes the usual path.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hf_zero.comm import Communicator, Handle
+from hf_zero.engine.buffer_pool import BufferPool, allocate_storage, free_storage, storage_bytes
+from hf_zero.engine.grad_average import plan_average, post_divisor
+from hf_zero.engine.policy import ShardingPolicy
+from hf_zero.execution import execution_for
+from hf_zero.offload import OffloadSettings
+from hf_zero.partition import FlatLayout
+from hf_zero.transfer import is_host_store, to_host
+
+
+class GradBufferState(enum.Enum):
+    """What the full gradient buffer holds. Under stage 0 (no ``shards_optimizer_state``) the
+    buffer is kept for the run: it is ``ACCUMULATING`` outside its reduction, and after it holds
+    the all-reduced gradients until the step's :meth:`GradBuffer.zero_shard`."""
+
+    EMPTY = "empty"  # no memory: a frozen group, or a sharded one outside its backward and reduction
+    ACCUMULATING = "accumulating"  # memory, with the .grad views into it: autograd adds gradients
+    REDUCING = "reducing"  # start_reduce issued the collective that reads it, until finish_reduce
+
+
+@dataclass
+class PendingReduce:
+    """A gradient reduction in flight: its handle, where the result lands, and the input the
+    collective still reads (kept alive until :meth:`GradBuffer.finish_reduce`)."""
+
+    handle: Handle | None
+    received: torch.Tensor
+    send: torch.Tensor
+
+
+class GradBuffer:
+    """The gradients of one group of parameters (see the module docstring); ``state`` says what
+    the full buffer holds. ``full`` is None for a frozen group."""
+
+    def __init__(
+        self,
+        label: str,
+        params: list[nn.Parameter],
+        layout: FlatLayout,
+        comm: Communicator,
+        policy: ShardingPolicy,
+        offload: OffloadSettings,
+        buffers: BufferPool,
+        pool_user: object,
+        compute_dtype: torch.dtype,
+        device: torch.device,
+        master: torch.Tensor | None,
+    ) -> None:
+        """``master`` is the group's fp32 master tensor (None: frozen, so no gradients); a
+        gradient shard of its size becomes its ``.grad``."""
+        self.label = label
+        self.params = params
+        self.layout = layout
+        self.comm = comm
+        self.policy = policy
+        self.offload = offload
+        self.buffers = buffers
+        self.device = device
+        self.master = master
+        self.state = GradBufferState.EMPTY
+        self.full: torch.Tensor | None = None
+        # Stages 0-1 with 16-bit gradients: the micro-steps' sum in fp32 until the accumulation
+        # boundary's reduction (see fold); allocated by the first fold, freed by the reduction.
+        self.accum: torch.Tensor | None = None
+        self.shard: torch.Tensor | None = None
+        # [Note: parameters no rank used] in hf_zero.engine.param_usage: per parameter, whether
+        # it got a gradient on this rank since the last optimizer step.
+        self.received = [False] * len(params)
+        if master is not None:
+            self._allocate(compute_dtype, device, pool_user)
+
+    def _allocate(self, compute_dtype: torch.dtype, device: torch.device, pool_user: object) -> None:
+        if not self.policy.shards_optimizer_state:  # all-reduced in place, kept for the run
+            self.full = torch.zeros(self.layout.padded_numel, dtype=compute_dtype, device=device)
+            self.state = GradBufferState.ACCUMULATING
+        else:
+            # Freed at once below, so never written: zeroing it would make every page resident
+            # and, through the host allocator, keep a full unit's bytes per group after the load
+            # (prepare zeroes it when a backward first needs it).
+            self.full = torch.empty(self.layout.padded_numel, dtype=compute_dtype, device=device)
+            self.state = GradBufferState.ACCUMULATING
+            self.buffers.register(storage_bytes(self.full), pool_user)
+        if not self.policy.shards_optimizer_state and compute_dtype == torch.float32:
+            self.shard = self.full  # all-reduced in place, already fp32
+            self.master.grad = self.shard
+        if self.policy.shards_optimizer_state:
+            self.release()
+        # Otherwise the fp32 gradient shard is allocated by the first reduction: right after
+        # initialize a rank holds its parameter shards and nothing else (see sharded loading).
+
+    def ensure_shard(self) -> torch.Tensor:
+        if self.shard is None:
+            if self.master is None:
+                raise RuntimeError(f"{self.label} is frozen: it has no fp32 master to give a gradient shard")
+            host = self.offload.optimizer_on_host
+            self.shard = torch.zeros(self.layout.shard_numel, dtype=torch.float32,
+                                     device="cpu" if host else self.device)
+            if host:
+                self.shard = to_host(self.shard, self.offload.pin_memory)
+            if self.master.numel() == self.shard.numel():
+                self.master.grad = self.shard
+        return self.shard
+
+    # ----------------------------------------------------------------- the full buffer
+    @property
+    def adopts_autograd_grad(self) -> bool:
+        """[Note: a gradient autograd hands over]: this group's flat gradient can be the tensor
+        autograd made for its one parameter."""
+        slot = self.layout.slots[0] if len(self.layout.slots) == 1 else None
+        return (self.policy.shards_params and slot is not None and slot.offset == 0 and slot.numel == self.layout.padded_numel
+                and hasattr(torch.UntypedStorage, "_swap_data_ptr_"))
+
+    def prepare(self, for_backward: bool = False) -> None:
+        """Before this group's backward (``for_backward``) or its reduction: make sure the flat
+        gradient buffer exists (fresh ones are zeroed; an accumulating one is kept) and that each
+        ``.grad`` is a view into it. A group that adopts autograd's gradient gets no buffer
+        before its backward ([Note: a gradient autograd hands over])."""
+        if self.full is None:
+            return
+        if not self.has_grads() and self.adopts_autograd_grad:
+            if for_backward or self._adopt_autograd_grad():
+                return
+        if self.buffers.acquire(self.full):
+            self.full.zero_()
+        if self.state is GradBufferState.EMPTY:
+            self.state = GradBufferState.ACCUMULATING
+        for slot, param in zip(self.layout.slots, self.params):
+            view = slot.view_in(self.full)
+            grad = param.grad
+            if grad is None or grad.data_ptr() != view.data_ptr():
+                if grad is not None:  # produced outside our buffer (see collect_stray_grads)
+                    view.add_(grad.to(view.dtype))
+                param.grad = view
+
+    def _adopt_autograd_grad(self) -> bool:
+        """Make the parameter's own ``.grad`` tensor (autograd's, not a view into the buffer) the
+        flat gradient buffer's memory. Returns whether it did."""
+        param, slot = self.params[0], self.layout.slots[0]
+        grad = param.grad
+        needed = self.full.numel() * self.full.element_size()
+        if (grad is None or grad.dtype != self.full.dtype or grad.device != self.full.device
+                or not grad.is_contiguous() or grad.storage_offset() != 0 or storage_bytes(grad) != needed):
+            return False
+        # The buffer's storage object stays (views and the pool know it); the memory changes hands.
+        self.full.untyped_storage()._swap_data_ptr_(grad.untyped_storage())
+        self.state = GradBufferState.ACCUMULATING
+        param.grad = slot.view_in(self.full)
+        return True
+
+    @property
+    def full_bytes(self) -> int:
+        """The bytes of the full gradient buffer while it exists (0 for a frozen group)."""
+        return 0 if self.full is None else self.full.numel() * self.full.element_size()
+
+    def has_grads(self) -> bool:
+        return self.state is not GradBufferState.EMPTY
+
+    def fold(self, accum_dtype: torch.dtype) -> None:
+        """End of a micro-step before the accumulation boundary (stages 0-1): add the 16-bit
+        full gradients into a fp32 buffer and zero them, so that a long accumulation sums in
+        fp32 as DeepSpeed's bf16 optimizer does (``data_types.grad_accum_dtype``; the next
+        micro-step's ``.grad`` then holds that micro-step only)."""
+        if self.full is None or self.full.dtype == accum_dtype:
+            return
+        # Every trainable group folds, with or without gradients: a bucket packs groups of one dtype.
+        if self.accum is None:
+            self.accum = torch.zeros(self.layout.padded_numel, dtype=accum_dtype, device=self.full.device)
+        elif allocate_storage(self.accum):
+            self.accum.zero_()
+        if self.has_grads():
+            self.accum.add_(self.full)
+            self.full.zero_()
+
+    def to_reduce(self) -> torch.Tensor:
+        """The full gradients a reduction sends: the buffer autograd wrote, or with it the fp32
+        sum of the earlier micro-steps (see :meth:`fold`)."""
+        if self.accum is not None and storage_bytes(self.accum) > 0:
+            return self.accum.add_(self.full)
+        return self.full
+
+    def drop_accum(self) -> None:
+        """The fp32 sum of the micro-steps went into a reduction: the next window starts at zero."""
+        if self.accum is not None:
+            free_storage(self.accum)
+
+    def release(self) -> None:
+        """The full gradients are no longer needed: the buffer (from any state) gives its memory up."""
+        self.drop_accum()
+        if self.full is None:
+            return
+        for param in self.params:
+            param.grad = None
+        self.buffers.release(self.full)
+        self.state = GradBufferState.EMPTY
+
+    # ----------------------------------------------------------------- the reduction
+    @property
+    def reduces_into_pool(self) -> bool:
+        """A reduction's output comes from the pool and goes back once added into the gradient
+        shard; not when a copy to the host reads it after that ([Note: gradients copied to the
+        host]), which keeps it alive itself."""
+        return self.offload.grad_copies is None
+
+    def start_reduce(self, reduce_dtype: torch.dtype, async_op: bool) -> PendingReduce | None:
+        """Issue the gradient reduction; :meth:`finish_reduce` waits for it and accumulates.
+        Until then the full gradient buffer is the collective's input and must stay alive. The
+        division by the world size happens where [Note: averaging gradients over ranks] says."""
+        if self.full is None:
+            return None
+        if self.state is GradBufferState.REDUCING:
+            raise RuntimeError(f"{self.label}: cannot start a gradient reduction: one is already in flight "
+                               "(call finish_reduce with its PendingReduce first)")
+        self.ensure_shard()
+        self.prepare()  # allocates zeros if this group got no gradient this backward
+        source = self.to_reduce()
+        send = source if source.dtype == reduce_dtype else source.to(reduce_dtype)
+        average = plan_average(reduce_dtype, self.comm, send.device)
+        if average.pre_divisor > 1:
+            send.div_(average.pre_divisor)
+        self.state = GradBufferState.REDUCING
+        if not self.policy.shards_optimizer_state:
+            handle = self.comm.all_reduce_into(send, label=self.label, op=average.op, async_op=async_op)
+            return PendingReduce(handle, send, send)
+        if self.reduces_into_pool:  # [Note: the buffer pool]
+            received = self.buffers.take(self.layout.shard_numel, reduce_dtype)
+        else:
+            received = torch.empty(self.layout.shard_numel, dtype=reduce_dtype, device=send.device)
+        handle = self.comm.reduce_scatter_into(received, send, label=self.label, async_op=async_op, op=average.op)
+        return PendingReduce(handle, received, send)
+
+    def finish_reduce(self, pending: PendingReduce) -> None:
+        if self.state is not GradBufferState.REDUCING:
+            raise RuntimeError(f"{self.label}: cannot finish a gradient reduction: its gradients are "
+                               f"{self.state.value}, expected {GradBufferState.REDUCING.value} (start_reduce issues one)")
+        if pending.handle is not None:
+            pending.handle.wait()
+        self.state = GradBufferState.ACCUMULATING
+        received = pending.received
+        if self.shard is not None and self.shard.data_ptr() != received.data_ptr():
+            self.accept_reduced(received, post_divisor(received.dtype, self.comm.data_parallel_size))
+        if self.policy.shards_optimizer_state:
+            if self.reduces_into_pool:
+                self.buffers.give_back(received)  # added into the gradient shard
+            self.release()
+        else:
+            self.drop_accum()
+
+    # ----------------------------------------------------------------- the gradient shard
+    def accept_reduced(self, reduced: torch.Tensor, divisor: int = 1) -> None:
+        """This rank's part of a finished reduction into the fp32 gradient shard."""
+        if self.full is not None and self.shard is not None and self.shard.data_ptr() == self.full.data_ptr():
+            # Stage 0, fp32 compute, reduced elsewhere (a bucket, a 16-bit reduction): the fp32
+            # gradient buffer is the gradient shard and still holds this rank's own gradients;
+            # the average replaces them.
+            self.shard.zero_()
+        self.accumulate_shard(reduced, divisor)
+
+    def accumulate_shard(self, reduced: torch.Tensor, divisor: int = 1) -> None:
+        """Add this rank's reduced part of the gradients (any dtype, any device), divided by
+        ``divisor`` in fp32, into the fp32 gradient shard: micro-steps of an accumulation add up
+        there. ``divisor`` is what [Note: averaging gradients over ranks] left to divide. Into a
+        host shard the add happens when the copy lands ([Note: gradients copied to the host])."""
+        shard = self.ensure_shard()
+        copies = self.offload.grad_copies
+        if copies is None or not is_host_store(shard) or is_host_store(reduced):
+            shard.add_(reduced, alpha=1.0 / divisor)
+            return
+        staging, copied = execution_for(reduced.device).stage_to_host(
+            reduced, self.offload.pin_memory, f"{self.label} gradients to the host")
+        copies.push(self, staging, copied, divisor)
+
+    def land_host_grads(self) -> None:
+        """The host reads this group's gradient shard next: its copies in flight land first."""
+        if self.offload.grad_copies is not None:
+            self.offload.grad_copies.land(self)
+
+    @property
+    def fully_received(self) -> bool:
+        """Every parameter of the group got a gradient on this rank: all are used, whatever
+        the other ranks did."""
+        return all(self.received)
+
+    def zero_shard(self) -> None:
+        self.received = [False] * len(self.params)
+        self.land_host_grads()  # a copy in flight must not land in the next step's shard
+        if self.shard is not None:
+            self.shard.zero_()
+        if not self.policy.shards_optimizer_state and self.full is not None:
+            self.full.zero_()

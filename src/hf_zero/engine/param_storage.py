@@ -1,0 +1,245 @@
+"""A flat group's parameter storage: the full flat buffer, the parameters' views into it, this
+rank's compute shard (in its store), and the gather and free around each use.
+
+[Note: views into flat buffers]
+Each module parameter's ``.data`` is a view into its group's full flat buffer, and each ``.grad``
+is a view into a flat gradient buffer of the same layout, so autograd accumulates gradients
+exactly where the reduce-scatter reads them and the optimizer's all-gather writes parameters
+exactly where the module reads them: no copies. Freeing a full buffer empties its *storage*
+and allocating gives it memory back (from the engine's pool, [Note: the buffer pool]); the
+tensor objects, and so every view, every autograd saved tensor and every ``.grad`` binding, stay
+valid. Module code never sees the sharding.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+from torch import nn
+
+from hf_zero.comm import Communicator, Handle
+from hf_zero.engine.buffer_pool import BufferPool
+from hf_zero.engine.param_source import ParamSource
+from hf_zero.engine.sharded_param import mark_gathered, mark_sharded
+from hf_zero.offload import NvmeShard, OffloadSettings
+from hf_zero.offload.shard_store import DeviceShard, HostShard, ShardStore
+from hf_zero.partition import FlatLayout
+
+
+class StorageState(enum.Enum):
+    """Where a group's parameter values are readable. A group that is not
+    :attr:`ParamStorage.sharded_between_uses` is ``GATHERED`` for its whole life."""
+
+    SHARDED = "sharded"  # only this rank's shard, in its store; the full buffer has no memory
+    GATHERING = "gathering"  # an all-gather into the full buffer is in flight
+    GATHERED = "gathered"  # the full buffer holds every rank's values
+
+
+class ParamStorage:
+    """The full flat buffer of one group's parameters, its views, and this rank's compute shard.
+
+    ``state`` says what the full buffer holds ([Note: views into flat buffers]): :meth:`unshard`
+    (idempotent) starts a gather from ``SHARDED``, :meth:`wait_unshard` finishes it, and
+    :meth:`reshard` frees the buffer again; the checked steps under them are
+    :meth:`start_gather`, :meth:`finish_gather` and :meth:`free`.
+    """
+
+    def __init__(
+        self,
+        label: str,
+        params: list[nn.Parameter],
+        layout: FlatLayout,
+        shard_range: tuple[int, int],
+        comm: Communicator,
+        sharded_between_uses: bool,
+        compute_dtype: torch.dtype,
+        device: torch.device,
+        source: ParamSource | None,
+        buffers: BufferPool,
+        pool_user: object,
+    ) -> None:
+        self.label = label
+        self.params = params
+        self.layout = layout
+        self.comm = comm
+        self.buffers = buffers
+        # This group's parameters are only a shard outside use (gathered around it, then freed):
+        # the policy shards parameters and the group is not persistent.
+        self.sharded_between_uses = sharded_between_uses
+        if sharded_between_uses:
+            buffers.register(layout.padded_numel * compute_dtype.itemsize, pool_user)
+        self._pending_gather: Handle | None = None
+        self.state = StorageState.GATHERED
+        lo, hi = shard_range
+        lazy = source is not None and any(p.is_meta for p in params)
+        if lazy and sharded_between_uses:
+            # Sharded loading: read only this rank's ranges; the full buffer is never touched
+            # (torch.empty leaves its pages unallocated) and freed at once.
+            self.full = torch.empty(layout.padded_numel, dtype=compute_dtype, device=device)
+            shard = torch.zeros(hi - lo, dtype=compute_dtype, device=device)
+            self._fill_from_source(source, shard, lo, hi)
+            self._bind_param_views()
+            self.free()
+        else:
+            self.full = self._flatten(compute_dtype, device, source if lazy else None)
+            self._bind_param_views()
+            # See [Note: views into flat buffers].
+            shard = self.full[lo:hi].clone() if sharded_between_uses else self.full[lo:hi]
+            if sharded_between_uses:
+                self.free()
+        # See [Note: shard stores]; the device store until the master is made from it
+        # (:meth:`leave_device`).
+        self.store: ShardStore = DeviceShard(shard)
+
+    # ----------------------------------------------------------------- construction
+    def _flatten(self, dtype: torch.dtype, device: torch.device, source: ParamSource | None) -> torch.Tensor:
+        full = torch.zeros(self.layout.padded_numel, dtype=dtype, device=device)
+        if source is not None:  # every rank reads the same files: no broadcast needed
+            self._fill_from_source(source, full, 0, self.layout.padded_numel)
+            return full
+        with torch.no_grad():
+            for slot, param in zip(self.layout.slots, self.params):
+                slot.view_in(full).copy_(param.detach())
+        # Every rank must start from the same weights, whatever its seed was.
+        self.comm.broadcast_(full, src=0, label=f"{self.label}.init")
+        return full
+
+    def _fill_from_source(self, source: ParamSource, out: torch.Tensor, lo: int, hi: int) -> None:
+        """Elements [lo, hi) of the flat buffer, read parameter by parameter from ``source``
+        (a parameter that is already real, such as a resized embedding, gives its own values)."""
+        for slot, param in zip(self.layout.slots, self.params):
+            start, stop = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+            if start >= stop:
+                continue
+            if param.is_meta:
+                source.fill_(slot.name, slot.shape, start - slot.offset, stop - slot.offset,
+                             out[start - lo : stop - lo])
+            else:
+                out[start - lo : stop - lo].copy_(param.detach().reshape(-1)[start - slot.offset : stop - slot.offset])
+
+    def _bind_param_views(self) -> None:
+        for slot, param in zip(self.layout.slots, self.params):
+            view = slot.view_in(self.full)
+            if param.is_meta:
+                # .data cannot move a tensor off the meta device; swapping keeps the Parameter
+                # object (tied weights, optimizer param groups). Swap in an empty one and then
+                # assign .data like the eager path: a Parameter built on the view would share
+                # the flat buffer's version counter, and the stage-3 re-gather before backward
+                # (an in-place write) would then fail autograd's saved-tensor check.
+                empty = torch.empty(0, dtype=view.dtype, device=view.device)
+                torch.utils.swap_tensors(param, nn.Parameter(empty, requires_grad=param.requires_grad))
+            param.data = view
+            param._hf_zero_name = slot.name  # named in errors ([Note: parameters read outside their unit])
+
+    def leave_device(self, offload: OffloadSettings) -> None:
+        """offload_param: the compute shard waits on the host between gathers (stage 3), or in a
+        file (see [Note: NVMe parameter offload] in hf_zero.offload.nvme_params). Called once the
+        master is made from the device shard (the master stays on the device unless the
+        optimizer is offloaded too)."""
+        if not self.sharded_between_uses:
+            return
+        shard = self.store.tensor
+        nvme_shard: NvmeShard | None = None
+        if offload.params == "nvme":
+            nvme_shard = offload.param_store.register(self.label, shard)
+        if nvme_shard is not None:
+            nvme_shard.write(shard)
+            self.store = nvme_shard
+        elif offload.params_on_host:
+            self.store = HostShard(shard, offload.pin_params)
+
+    # ----------------------------------------------------------------- the compute shard
+    @property
+    def shard(self) -> torch.Tensor:
+        """This rank's compute shard as its store holds it (an empty placeholder for a file)."""
+        return self.store.tensor
+
+    @property
+    def shard_on_host(self) -> bool:
+        """The compute shard leaves the device between gathers (host memory or a file)."""
+        return self.store.location != "device"
+
+    @property
+    def nvme_shard(self) -> NvmeShard | None:
+        return self.store if self.store.location == "nvme" else None  # type: ignore[return-value]
+
+    def write_shard(self, values: torch.Tensor, start: int = 0) -> None:
+        """New values for elements [start, start + values.numel()) of this rank's compute shard
+        (the optimizer's update, a loaded checkpoint): into ``shard``, or into its file under
+        NVMe parameter offload."""
+        self.store.write(values, start)
+
+    def read_shard(self) -> torch.Tensor:
+        """This rank's compute shard (read from its file, into a new tensor, under NVMe parameter
+        offload)."""
+        return self.store.read()
+
+    # ----------------------------------------------------------------- gather and free
+    @property
+    def is_unsharded(self) -> bool:
+        return self.state is StorageState.GATHERED
+
+    def unshard(self, async_op: bool = False) -> None:
+        """Gather the full parameters (stage 3). Idempotent; ``wait_unshard`` finishes an
+        asynchronous gather."""
+        if self.sharded_between_uses and self.state is StorageState.SHARDED:
+            self.start_gather(async_op)
+            if not async_op:
+                self.wait_unshard()
+
+    def wait_unshard(self) -> None:
+        if self.state is StorageState.GATHERING:
+            self.finish_gather()
+
+    def reshard(self) -> None:
+        if self.sharded_between_uses:
+            self.wait_unshard()
+            if self.state is StorageState.GATHERED:
+                self.free()
+
+    def start_gather(self, async_op: bool) -> None:
+        """SHARDED -> GATHERING: the full buffer gets memory and the all-gather into it starts."""
+        self._expect(StorageState.SHARDED, "start a gather")
+        if not self.buffers.acquire(self.full):
+            raise RuntimeError(f"{self.label}: its storage is {self.state.value} but the full buffer already "
+                               "has memory; only ParamStorage.free() may take it away")
+        shard, copied = self.store.gather_input(self.full.device, reclaim=self.wait_unshard)
+        self.state = StorageState.GATHERING
+        self._pending_gather = self.comm.all_gather_into(
+            self.full, shard, label=self.label, async_op=async_op, after=(copied,)
+        )
+
+    def finish_gather(self) -> None:
+        """GATHERING -> GATHERED: wait for the all-gather."""
+        self._expect(StorageState.GATHERING, "finish a gather")
+        if self._pending_gather is not None:
+            self._pending_gather.wait()
+        self._pending_gather = None
+        self.state = StorageState.GATHERED
+        self.store.gather_done()
+        # Readable only now: while a gather is in flight the parameters keep their guard, so
+        # a read that no module hook waited for (a fused loss reading lm_head.weight) waits
+        # for the values instead of reading the buffer's stale bytes.
+        mark_gathered(self.params)
+
+    def free(self) -> None:
+        """GATHERED -> SHARDED: free the full buffer; its parameters raise a clear error if read
+        until the next gather ([Note: parameters read outside their unit])."""
+        self._expect(StorageState.GATHERED, "free the full buffer")
+        self.buffers.release(self.full)
+        self.state = StorageState.SHARDED
+        mark_sharded(self.params)
+
+    def gather_updated_shards(self, shard_range: tuple[int, int]) -> None:
+        """After the optimizer step, bring every rank's updated shard into the full buffer
+        (stages 1-2, and persistent stage-3 groups); sharded stage-3 groups gather lazily."""
+        self._expect(StorageState.GATHERED, "gather the updated shards into the full buffer")
+        lo, hi = shard_range
+        self.comm.all_gather_into(self.full, self.full[lo:hi], label=f"{self.label}.step")
+
+    def _expect(self, state: StorageState, action: str) -> None:
+        if self.state is not state:
+            raise RuntimeError(
+                f"{self.label}: cannot {action}: its parameter storage is {self.state.value}, expected "
+                f"{state.value} (unshard() gathers, wait_unshard() finishes a gather, reshard() frees)")
