@@ -14,6 +14,20 @@ reduction its memory moves into the flat buffer's storage object
 (``UntypedStorage._swap_data_ptr_``; the object, which views and the pool know, stays), so
 the reduction reads it where autograd wrote it. A gradient that does not fit (another dtype,
 not contiguous, a second micro-step's sum already in the buffer) takes the usual path.
+
+[Note: gradients landing in a fresh buffer]
+Autograd adds a gradient into an existing ``.grad`` and hands over its own tensor when
+``.grad`` is None. Pointing ``.grad`` at a zeroed buffer therefore costs a zeroing pass and an
+addition (two reads, one write) for every gradient byte, on top of the matmul that made the
+gradient. So a buffer the pool has just handed out (its contents undefined) is not zeroed and
+the ``.grad`` stay None for the backward: autograd hands its gradient over, the parameter's
+post-accumulate hook (``land``) copies it into its slot, one read and one write, and points
+``.grad`` at the slot, where any further gradient of that backward is added in place. Before
+the buffer is read (its reduction, or the fp32 fold of a micro-step), the bytes no gradient
+wrote are zeroed: the slots of parameters that got none, and the alignment padding. This is
+what DeepSpeed and FSDP2 do (autograd's gradient, copied into the reduction's input). A
+buffer that already holds gradients (an accumulation window, stage 0's kept buffer) keeps
+``.grad`` on its views.
 """
 
 from __future__ import annotations
@@ -92,6 +106,9 @@ class GradBuffer:
         # [Note: parameters no rank used] in hf_zero.engine.param_usage: per parameter, whether
         # it got a gradient on this rank since the last optimizer step.
         self.received = [False] * len(params)
+        # While autograd's gradients land in a fresh buffer: which slots one has written
+        # ([Note: gradients landing in a fresh buffer]); None otherwise.
+        self.landed: list[bool] | None = None
         if master is not None:
             self._allocate(compute_dtype, device, pool_user)
 
@@ -140,23 +157,63 @@ class GradBuffer:
         """Before this group's backward (``for_backward``) or its reduction: make sure the flat
         gradient buffer exists (fresh ones are zeroed; an accumulating one is kept) and that each
         ``.grad`` is a view into it. A group that adopts autograd's gradient gets no buffer
-        before its backward ([Note: a gradient autograd hands over])."""
+        before its backward ([Note: a gradient autograd hands over]); a fresh buffer before a
+        backward is not zeroed: autograd's gradients land in it ([Note: gradients landing in a
+        fresh buffer])."""
         if self.full is None:
             return
         if not self.has_grads() and self.adopts_autograd_grad:
             if for_backward or self._adopt_autograd_grad():
                 return
-        if self.buffers.acquire(self.full):
-            self.full.zero_()
+        fresh = self.buffers.acquire(self.full)
         if self.state is GradBufferState.EMPTY:
             self.state = GradBufferState.ACCUMULATING
+        if fresh and for_backward and all(param.grad is None for param in self.params):
+            self.landed = [False] * len(self.params)
+            return
+        if fresh:
+            self.full.zero_()
+        elif self.landed is not None:
+            self._zero_where_nothing_landed()
+        self.landed = None
         for slot, param in zip(self.layout.slots, self.params):
             view = slot.view_in(self.full)
             grad = param.grad
             if grad is None or grad.data_ptr() != view.data_ptr():
-                if grad is not None:  # produced outside our buffer (see collect_stray_grads)
+                if grad is not None:  # produced outside our buffer (a parameter read outside its unit)
                     view.add_(grad.to(view.dtype))
                 param.grad = view
+
+    def land(self, index: int) -> None:
+        """Parameter ``index`` got a gradient from autograd (its post-accumulate hook): into a
+        fresh buffer it is copied, and ``.grad`` becomes the view ([Note: gradients landing in
+        a fresh buffer]). Otherwise autograd already added it into the view."""
+        if self.landed is None:
+            return
+        param, slot = self.params[index], self.layout.slots[index]
+        view = slot.view_in(self.full)
+        grad = param.grad
+        if grad is None or grad.data_ptr() == view.data_ptr():
+            return
+        if self.landed[index]:
+            view.add_(grad.to(view.dtype))
+        else:
+            view.copy_(grad)
+            self.landed[index] = True
+        param.grad = view
+
+    def _zero_where_nothing_landed(self) -> None:
+        """A landing buffer's bytes that no gradient wrote (the slots of parameters that got
+        none, the alignment padding) hold whatever the pool's last user left: zero them."""
+        written = sorted((slot.offset, slot.offset + slot.numel)
+                         for slot, landed in zip(self.layout.slots, self.landed) if landed)
+        start = 0
+        for lo, hi in written:
+            if lo > start:
+                self.full[start:lo].zero_()
+            start = max(start, hi)
+        if start < self.full.numel():
+            self.full[start:].zero_()
 
     def _adopt_autograd_grad(self) -> bool:
         """Make the parameter's own ``.grad`` tensor (autograd's, not a view into the buffer) the
@@ -189,6 +246,8 @@ class GradBuffer:
         if self.full is None or self.full.dtype == accum_dtype:
             return
         # Every trainable group folds, with or without gradients: a bucket packs groups of one dtype.
+        if self.landed is not None:
+            self.prepare()  # what no gradient wrote is zero, every .grad a view
         if self.accum is None:
             self.accum = torch.zeros(self.layout.padded_numel, dtype=accum_dtype, device=self.full.device)
         elif allocate_storage(self.accum):
@@ -218,6 +277,7 @@ class GradBuffer:
             param.grad = None
         self.buffers.release(self.full)
         self.state = GradBufferState.EMPTY
+        self.landed = None
 
     # ----------------------------------------------------------------- the reduction
     @property

@@ -484,6 +484,7 @@ class UnitProtocol:
                 "unit order on this rank. Make the module a single unit "
                 "(zero_optimization.wrap_modules) or run it in the model's order"
             )
+        group.grads.land(index)  # [Note: gradients landing in a fresh buffer]
         group.grads.received[index] = True  # [Note: parameters no rank used]
         unit.pending_grads -= 1
         if unit.pending_grads == 0:
