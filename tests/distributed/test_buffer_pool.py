@@ -26,10 +26,10 @@ def no_launcher_env(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
 
 
-def _stage3_llama(**zero: object):
+def _stage3_llama(gas: int = 1, **zero: object):
     import hf_zero
 
-    sc = S.scenario("llama", 3, zero=dict(zero))
+    sc = S.scenario("llama", 3, gas=gas, zero=dict(zero))
     engine, _, _, _ = hf_zero.initialize(model=S.build_model(sc), config=S.make_config(sc))
     return engine
 
@@ -75,6 +75,23 @@ def test_the_next_layer_reuses_the_last_layers_buffer_and_nothing_is_held_betwee
     engine.step()
     assert pool.acquisitions - acquired > pool.mappings - mapped  # the second step reuses as much
     assert pool.mapped_bytes == 0
+
+
+def test_a_steps_first_fp32_reduction_of_a_group_writes_its_gradient_shard(no_launcher_env):
+    # [Note: reducing into the gradient shard]: no result buffer while the shard holds zeros;
+    # the second micro-step of an accumulation adds into it through a buffer of the pool.
+    engine = _stage3_llama(gas=2)
+    pool = engine.protocol.buffers
+    reduced = [g for unit in engine.units for g in unit.trainable_groups]
+    engine.backward(S.model_loss(engine, "llama", _ids()))
+    assert pool.temporaries == 0 and all(not g.grads.shard_is_zero for g in reduced)
+    engine.step()  # not the boundary yet
+    engine.backward(S.model_loss(engine, "llama", _ids()))
+    assert pool.temporaries == len(reduced)
+    engine.step()  # the optimizer step zeroes the shards: the next window writes them again
+    assert all(g.grads.shard_is_zero for g in reduced)
+    engine.backward(S.model_loss(engine, "llama", _ids()))
+    assert pool.temporaries == len(reduced)
 
 
 def _freed(numel: int) -> torch.Tensor:

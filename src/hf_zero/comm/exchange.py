@@ -6,7 +6,8 @@ into a scratch buffer) and keeps the caller's chunk: each rank sends and receive
 bytes a reduce-scatter needs. On gloo, hf_zero instead sends chunk j of its input to rank j and
 receives every peer's copy of its own chunk, all point-to-point and posted at once, then adds
 them to its own in rank order: (N-1)/N of the input goes out and comes in, as in a ring
-reduce-scatter, and the only extra memory is the (N-1) received chunks. One 3.3M-element fp32
+reduce-scatter. The lowest-ranked peer's chunk is received straight into the output, so the only
+extra memory is N-2 received chunks (none between 2 ranks). One 3.3M-element fp32
 reduce-scatter between 2 CPU ranks took 16-20 ms through torch's and 5.5-6.7 ms as an exchange.
 
 Gloo matches the messages between two ranks in the order they were posted, and every rank
@@ -17,10 +18,10 @@ the additions needs no agreement between ranks. NCCL and other backends keep the
 reduce-scatter.
 
 The output may alias the input's chunk of this rank (an in-place reduce-scatter, as
-``dist.reduce_scatter_tensor`` allows): the first addition writes the output, so from rank 2 on
-it would overwrite this rank's own chunk before that chunk is added. :meth:`wait` then copies the
-chunk first, one chunk of extra memory and only when they overlap; the sum, and its order, are
-those of the non-aliased call.
+``dist.reduce_scatter_tensor`` allows): a peer's chunk is received into the output, which would
+overwrite this rank's own chunk before it is added. The chunk is then copied first, one chunk of
+extra memory and only when they overlap; the sum, and its order, are those of the non-aliased
+call.
 
 [Note: all-gather on gloo]
 torch's gloo all-gather receives into a scratch buffer the size of the whole output, allocated
@@ -44,20 +45,28 @@ import torch.distributed as dist
 
 
 class ExchangeReduceScatter:
-    """A reduce-scatter in flight as point-to-point sends and receives; :meth:`wait` sums."""
+    """A reduce-scatter in flight as point-to-point sends and receives; :meth:`wait` sums.
+
+    The chunk of the lowest-ranked peer is received straight into the output; the other peers'
+    go into one scratch row each (none between 2 ranks). The sum is the same, bit for bit, as
+    adding every rank's chunk in rank order: the output's first addition adds this rank's
+    chunk to it or it to the second (a + b is b + a exactly), and the rest follow in order."""
 
     def __init__(self, shard: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None) -> None:
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         chunks = full.view(world, -1)
         self._shard, self._rank, self._world = shard, rank, world
-        self._own = chunks[rank]
-        # Row i holds the chunk from the i-th peer in rank order.
-        self._received = torch.empty((world - 1, shard.numel()), dtype=full.dtype, device=full.device)
+        # The output receives a peer's chunk: a copy of this rank's own first, if they share bytes.
+        own = chunks[rank]
+        self._own = own.clone() if _overlaps(own, shard) else own
         peers = [p for p in range(world) if p != rank]
+        # Row i holds the chunk from the (i+1)-th peer in rank order; the first goes into the output.
+        self._received = torch.empty((world - 2, shard.numel()), dtype=full.dtype, device=full.device)
+        self._into = [shard, *self._received]
         self._works: list[dist.Work] = []
-        for row, peer in zip(self._received, peers):
+        for into, peer in zip(self._into, peers):
             global_peer = dist.get_global_rank(group, peer) if group is not None else peer
-            self._works.append(dist.irecv(row, src=global_peer, group=group))
+            self._works.append(dist.irecv(into, src=global_peer, group=group))
             self._works.append(dist.isend(chunks[peer], dst=global_peer, group=group))
         self._summed = False
 
@@ -70,10 +79,11 @@ class ExchangeReduceScatter:
         for work in self._works:
             work.wait()
         # This rank's chunk from every rank, added in rank order: the same order on every run.
-        rows = iter(self._received)
-        own = self._own.clone() if _overlaps(self._own, self._shard) else self._own
-        ordered = [own if r == self._rank else next(rows) for r in range(self._world)]
-        torch.add(ordered[0], ordered[1], out=self._shard)
+        received = iter(self._into)
+        ordered = [self._own if r == self._rank else next(received) for r in range(self._world)]
+        # ordered[0] or ordered[1] is the output (the lowest-ranked peer's chunk): their sum into it.
+        first, second = ordered[0], ordered[1]
+        self._shard.add_(second if first is self._shard else first)
         for part in ordered[2:]:
             self._shard.add_(part)
         self._summed = True

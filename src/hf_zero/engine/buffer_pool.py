@@ -121,6 +121,7 @@ class BufferPool:
         self._lock = threading.Lock()  # the overlapped optimizer step frees from a worker thread
         self.acquisitions = 0  # buffers handed out (statistics: how often a mapping was reused)
         self.mappings = 0  # of which freshly mapped
+        self.temporaries = 0  # take() calls: reduction results that needed a buffer of their own
 
     # ----------------------------------------------------------------- sizes
     def register(self, nbytes: int, user: object) -> None:
@@ -159,6 +160,7 @@ class BufferPool:
         """A new flat tensor for a temporary the engine makes for every unit (a reduction's
         output); :meth:`give_back` returns it. Its contents are undefined."""
         nbytes = numel * dtype.itemsize
+        self.temporaries += 1
         if not self.owns_memory or nbytes == 0:
             return torch.empty(numel, dtype=dtype, device=self.device)
         with self._lock:

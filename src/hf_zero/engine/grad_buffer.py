@@ -28,6 +28,16 @@ wrote are zeroed: the slots of parameters that got none, and the alignment paddi
 what DeepSpeed and FSDP2 do (autograd's gradient, copied into the reduction's input). A
 buffer that already holds gradients (an accumulation window, stage 0's kept buffer) keeps
 ``.grad`` on its views.
+
+[Note: reducing into the gradient shard]
+A reduce-scatter's result is normally added into the fp32 gradient shard, divided by what
+[Note: averaging gradients over ranks] left to divide, and its buffer goes back to the pool. In
+a step's first fp32 reduction of a group the shard still holds zeros, and an fp32 reduction
+leaves nothing to divide (its inputs were divided), so the collective writes the shard itself:
+no result buffer (at the untied head of the 134M Llama of the Trainer test, 49 MiB per rank
+alive during its reduction) and no addition. Adding into zeros is exact, so the values are
+those of the buffered path. Later reductions of the step (micro-steps of an accumulation), 16-bit ones, and those whose
+result is copied to the host, take the buffer and add.
 """
 
 from __future__ import annotations
@@ -103,6 +113,9 @@ class GradBuffer:
         # boundary's reduction (see fold); allocated by the first fold, freed by the reduction.
         self.accum: torch.Tensor | None = None
         self.shard: torch.Tensor | None = None
+        # The gradient shard holds nothing yet in this step (all zeros): a reduction may write
+        # it instead of being added into it ([Note: reducing into the gradient shard]).
+        self.shard_is_zero = True
         # [Note: parameters no rank used] in hf_zero.engine.param_usage: per parameter, whether
         # it got a gradient on this rank since the last optimizer step.
         self.received = [False] * len(params)
@@ -307,7 +320,9 @@ class GradBuffer:
         if not self.policy.shards_optimizer_state:
             handle = self.comm.all_reduce_into(send, label=self.label, op=average.op, async_op=async_op)
             return PendingReduce(handle, send, send)
-        if self.reduces_into_pool:  # [Note: the buffer pool]
+        if self.reduces_into_shard(send):  # [Note: reducing into the gradient shard]
+            received = self.shard
+        elif self.reduces_into_pool:  # [Note: the buffer pool]
             received = self.buffers.take(self.layout.shard_numel, reduce_dtype)
         else:
             received = torch.empty(self.layout.shard_numel, dtype=reduce_dtype, device=send.device)
@@ -322,14 +337,27 @@ class GradBuffer:
             pending.handle.wait()
         self.state = GradBufferState.ACCUMULATING
         received = pending.received
+        divisor = post_divisor(received.dtype, self.comm.data_parallel_size)
+        if self.policy.shards_optimizer_state and received is self.shard:  # [Note: reducing into the gradient shard]
+            self.shard_is_zero = False
+            self.release()
+            return
         if self.shard is not None and self.shard.data_ptr() != received.data_ptr():
-            self.accept_reduced(received, post_divisor(received.dtype, self.comm.data_parallel_size))
+            self.accept_reduced(received, divisor)
         if self.policy.shards_optimizer_state:
             if self.reduces_into_pool:
                 self.buffers.give_back(received)  # added into the gradient shard
             self.release()
         else:
             self.drop_accum()
+
+    def reduces_into_shard(self, send: torch.Tensor) -> bool:
+        """[Note: reducing into the gradient shard]: this reduction may write the fp32 gradient
+        shard itself."""
+        return (self.policy.shards_optimizer_state and self.shard_is_zero and self.reduces_into_pool
+                and send.dtype == torch.float32 and post_divisor(send.dtype, self.comm.data_parallel_size) == 1
+                and self.shard is not None
+                and self.shard.device == send.device and not is_host_store(self.shard))
 
     # ----------------------------------------------------------------- the gradient shard
     def accept_reduced(self, reduced: torch.Tensor, divisor: int = 1) -> None:
@@ -347,6 +375,7 @@ class GradBuffer:
         there. ``divisor`` is what [Note: averaging gradients over ranks] left to divide. Into a
         host shard the add happens when the copy lands ([Note: gradients copied to the host])."""
         shard = self.ensure_shard()
+        self.shard_is_zero = False
         copies = self.offload.grad_copies
         if copies is None or not is_host_store(shard) or is_host_store(reduced):
             shard.add_(reduced, alpha=1.0 / divisor)
@@ -371,5 +400,6 @@ class GradBuffer:
         self.land_host_grads()  # a copy in flight must not land in the next step's shard
         if self.shard is not None:
             self.shard.zero_()
+        self.shard_is_zero = True
         if not self.policy.shards_optimizer_state and self.full is not None:
             self.full.zero_()
