@@ -327,7 +327,7 @@ def initialize(
         shard_groups[group.kind.param_group_index]["params"].append(group.master)
     # Each object is built with what it needs, in dependency order; the two pieces that need the
     # object using them (the whole-parameter step's optimizer over the masters it makes, the
-    # overlapped step over the ZeroOptimizer) are given as factories their owner calls.
+    # overlapped step over the ZeroOptimizer's step pipeline) are given as factories their owner calls.
     whole_params = None
     if optimizer_kind is OptimizerKind.WHOLE_PARAM and trainable:  # see [Note: whole-parameter step]
         whole_params = WholeParamStep(trainable, comm, hyper, device,

@@ -6,7 +6,10 @@ gradient shard is final (its bucket has been reduce-scattered at the accumulatio
 ``UnitProtocol.on_grads_final``), nothing that is still to come in this backward can change it, so
 its step can start at once on a worker thread and overlap the backward of the units before it
 (on a GPU machine the host is otherwise idle then). ``ZeroOptimizer.step`` then only waits for the
-worker, steps the groups it never got, reports the global gradient norm and all-gathers.
+worker, steps the groups it never got, reports the global gradient norm and all-gathers. This is a
+schedule of [Note: the step pipeline], not a second step: ``apply`` of one group at a time first
+(``InnerStep.apply_group``), then the pipeline's ``measure``, ``commit`` or ``roll_back`` and
+``publish``.
 
 This is exact only when no group's update depends on the others' gradients:
 - gradient clipping needs the global norm first, so ``gradient_clipping > 0`` steps after the
@@ -28,16 +31,22 @@ Requires hf_zero's Adam/AdamW (the config's optimizer section), which steps one 
 
 from __future__ import annotations
 
+import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hf_zero.engine.flat_group import FlatParamGroup
-from hf_zero.engine.optimizer import ZeroAdam, ZeroOptimizer
+from hf_zero.engine.inner_step import NvmeInnerStep
+from hf_zero.engine.optimizer import ZeroAdam
+from hf_zero.engine.step_pipeline import StepOutcome, StepPipeline
 from hf_zero.execution import bound_thread_initializer
 from hf_zero.transfer import host_snapshot
+
+if TYPE_CHECKING:
+    from hf_zero.offload import NvmeOptimizerStore
 
 
 def can_overlap(inner: torch.optim.Optimizer, gradient_clipping: float, fp16: bool, nvme: bool) -> bool:
@@ -48,9 +57,12 @@ def can_overlap(inner: torch.optim.Optimizer, gradient_clipping: float, fp16: bo
 class OverlappedOffloadStep:
     """Runs each group's host step on one worker thread as soon as its gradients are final."""
 
-    def __init__(self, optimizer: ZeroOptimizer, device: torch.device) -> None:
-        # The ZeroOptimizer whose groups this steps; it builds this step in its constructor.
-        self.optimizer = optimizer
+    def __init__(self, pipeline: StepPipeline, device: torch.device) -> None:
+        # The pipeline whose stages this schedules; ZeroOptimizer builds this step over it.
+        if pipeline.loss_scaler is not None:  # can_overlap rules fp16 out: its skip needs every gradient first
+            raise NotImplementedError("the overlapped offload step with fp16's loss scaling; see can_overlap")
+        self.pipeline = pipeline
+        self.inner_step = pipeline.inner_step
         # Groups kept on the device (offload_optimizer.ratio < 1) step on the worker too: it
         # launches on the rank's device ([Note: the launching thread's device]).
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_zero-offload-step",
@@ -85,46 +97,75 @@ class OverlappedOffloadStep:
         if bool(found):
             return float(sqnorm), True
         self.undo[id(group)] = (group, self._snapshot(group))
-        self.optimizer.step_group_unscaled(group)
+        self.inner_step.apply_group(group)
         return float(sqnorm), False
+
+    def finish(self) -> None:
+        """The step, at ``ZeroOptimizer.step``: wait for the worker, step what it did not get,
+        then measure, and commit or roll back, as the plain step does."""
+        pipeline = self.pipeline
+        results = self.wait()
+        # Groups this rank did not use in full were held back ([Note: parameters no rank used]):
+        # step those some rank used, each parameter as the ranks used it.
+        used = pipeline.all_ranks_norm(torch.zeros(2, dtype=torch.float32, device=pipeline.device)).used
+        for group, group_used in zip(pipeline.groups, used):
+            if id(group) in results:  # stepped on the worker: this rank used every parameter
+                continue
+            group.params_used = group_used
+            if group.grad_shard is not None and any(group_used):
+                results[id(group)] = self.step_group(group)
+        sqnorm = sum(sq for sq, _ in results.values())
+        nonfinite = any(found for _, found in results.values())
+        local = torch.tensor([sqnorm, float(nonfinite)], dtype=torch.float32, device=pipeline.device)
+        measured = pipeline.all_ranks_norm(local)
+        if measured.nonfinite:  # some group on some rank: undo every group stepped, on every rank
+            pipeline.roll_back(StepOutcome.ROLLED_BACK, undo=self)
+            return
+        pipeline.record(StepOutcome.STEPPED, math.sqrt(measured.sqnorm))
+        pipeline.commit(undo=self)
 
     # ------------------------------------------------------------------ undo copies
     def _snapshot(self, group: FlatParamGroup) -> Any:
         """What the step of ``group`` will change, copied to host memory (also for a group kept
         on the device: the undo copies must not cost device memory)."""
-        nvme = self.optimizer.nvme
+        nvme = self._nvme
         if nvme is not None:
             return nvme.snapshot(group.nvme_index)
         pin = group.offload.pin_memory
-        state = self.optimizer.inner.state.get(group.master) or {}
+        state = self.inner_step.inner.state.get(group.master) or {}
         saved = {k: host_snapshot(v.detach(), pin) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
         return host_snapshot(group.master.detach(), pin), saved
 
-    def roll_back(self) -> None:
+    @property
+    def _nvme(self) -> NvmeOptimizerStore | None:
+        return self.inner_step.nvme if isinstance(self.inner_step, NvmeInnerStep) else None
+
+    def restore(self) -> None:
         """Restore every group stepped in this step (see [Note: overlapped offload step])."""
-        nvme = self.optimizer.nvme
+        inner = self.inner_step.inner
+        nvme = self._nvme
         for group, saved in self.undo.values():
             if nvme is not None:
                 nvme.restore(group.nvme_index, saved, group.write_compute_shard)
                 continue
             master, state = saved
             group.master.copy_(master)
-            device_state = self.optimizer.inner.state.get(group.master) or {}
+            device_state = inner.state.get(group.master) or {}
             for key, value in state.items():  # back where the optimizer keeps each tensor
                 where = device_state.get(key)
                 if isinstance(value, torch.Tensor) and isinstance(where, torch.Tensor):
                     state[key] = value.to(where.device)
             if state:
-                self.optimizer.inner.state[group.master] = state
+                inner.state[group.master] = state
             else:
-                self.optimizer.inner.state.pop(group.master, None)
+                inner.state.pop(group.master, None)
             if group.master.data_ptr() != group.shard.data_ptr():
                 group.write_compute_shard(group.master)
-        self.commit()
+        self.drop()
 
-    def commit(self) -> None:
+    def drop(self) -> None:
         """The step stands: drop the undo copies."""
-        nvme = self.optimizer.nvme
+        nvme = self._nvme
         for group, saved in self.undo.values():
             if nvme is not None:
                 nvme.drop_snapshot(saved)
