@@ -7,7 +7,7 @@ and AdamW and Muon on DeepSpeed ZeRO-2 when deepspeed is importable.
 DeepSpeed is a benchmark-only dependency (``DS_BUILD_OPS=0 pip install deepspeed``); it runs
 on CPU with ``DS_ACCELERATOR=cpu`` (set here) over gloo. Its Muon is the config's
 ``"optimizer": {"type": "Muon"}`` (``deepspeed/runtime/zero/muon``), with every parameter
-tagged ``use_muon`` by the same rule as hf_zero's (:func:`hf_zero.engine.muon.muon_param_groups`);
+tagged ``use_muon`` by the same rule as hf_zero's (:func:`hf_zero.engine.optim.muon.muon_param_groups`);
 its AdamW is a client ``torch.optim.AdamW`` (its fused Adam needs a build). DeepSpeed has no
 shape-aware Adafactor (a ``torch.optim.Adafactor`` there would step flat partitions), so that
 row is hf_zero's only.
@@ -85,7 +85,7 @@ def _hf_zero(optimizer_kind: str) -> tuple[Any, Any]:
 def _deepspeed(optimizer_kind: str) -> tuple[Any, Any]:
     import deepspeed
 
-    from hf_zero.engine.muon import muon_param_groups
+    from hf_zero.engine.optim.muon import muon_param_groups
 
     model = _model()
     config = _config(None)

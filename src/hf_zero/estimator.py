@@ -19,7 +19,7 @@ stage         compute params              gradients         fp32 master       Ad
 ============  ==========================  ================  ================  ===========
 
 [1] the fp32 copy only when c = 2. [2] zero when c = 4: the fp32 master *is* the parameter
-(see [Note: master aliasing] in engine/master_state.py). Ψ_p: stage-3 persistent parameters (at
+(see [Note: master aliasing] in engine/sharding/master_state.py). Ψ_p: stage-3 persistent parameters (at
 or under ``stage3_param_persistence_threshold`` elements each), kept whole on every rank.
 Every Ψ is padded: within a flat group each parameter starts at a multiple of 8 elements, and
 the group ends at a multiple of ``N x 8`` elements, a stage-3 persistent group at a multiple of
@@ -45,7 +45,7 @@ working memory].
 
 [Note: stage-3 working memory]
 Stage 3's figure is the engine's schedule ([Note: the unit protocol] and [Note: reuse distance]
-in engine/hooks.py) replayed on unit sizes, c bytes per element, and its peak taken over:
+in engine/schedule/hooks.py) replayed on unit sizes, c bytes per element, and its peak taken over:
 - the forward: every gathered unit (the root for the whole forward, the unit running, the
   prefetched ones, those kept for their backward by ``stage3_max_reuse_distance`` within
   ``stage3_max_live_parameters``);
@@ -54,12 +54,12 @@ in engine/hooks.py) replayed on unit sizes, c bytes per element, and its peak ta
   buffer not yet reduced (the unit's own; each earlier unit's until its bucket's reduction
   finishes, at most ``BUCKETS_IN_FLIGHT`` buckets in flight, and the root's for the whole
   backward, because its bucket is the last of the fixed order; a bucket larger than the next one
-  is finished before the next goes out: [Note: gradients in flight] in engine/hooks.py), plus
+  is finished before the next goes out: [Note: gradients in flight] in engine/schedule/hooks.py), plus
   autograd's gradient of the unit's largest parameter before it is added into its ``.grad`` view,
   unless its group takes autograd's gradient as it is ([Note: a gradient autograd hands over] in
-  engine/grad_buffer.py: a sharded group of one unpadded parameter, as an embedding or a head).
+  engine/sharding/grad_buffer.py: a sharded group of one unpadded parameter, as an embedding or a head).
 A group of ``IN_PLACE_NUMEL`` elements or more is a bucket of its own; smaller ones share
-buckets of B ([Note: buckets] in engine/buckets.py). Not counted: activations and logits (the
+buckets of B ([Note: buckets] in engine/schedule/buckets.py). Not counted: activations and logits (the
 test runs 16 tokens: together with the fp32 gradient shards the first step allocates, 0.3-1.4%
 of the peak), and host-side allocator slack. Reductions that finish at once (a fast network;
 the fake process group of the simulation) hold one bucket where the replay assumes the engine's
@@ -83,7 +83,7 @@ import torch
 from torch import nn
 
 from hf_zero.config.live import live_zero3_config
-from hf_zero.engine.buckets import IN_PLACE_NUMEL
+from hf_zero.engine.schedule.buckets import IN_PLACE_NUMEL
 from hf_zero.engine.policy import BUCKETS_IN_FLIGHT
 from hf_zero.partition import ROOT_UNIT_NAME, build_flat_layout, is_persistent, plan_units
 
@@ -104,7 +104,7 @@ class GroupStats:
     padded_numel: int
     world_size: int  # of the layout: 1 under stage 0
     largest_param_numel: int = 0  # autograd makes this parameter's gradient whole before adding it in
-    backward_reads_params: bool = True  # of the unit: False for a plain nn.Embedding (engine/unit.py)
+    backward_reads_params: bool = True  # of the unit: False for a plain nn.Embedding (engine/schedule/unit.py)
 
     @property
     def shard_numel(self) -> int:
@@ -229,7 +229,7 @@ def unit_sizes(groups: list[GroupStats]) -> list[UnitSizes]:
         if g.trainable:
             u.grad_groups.append(g.padded_numel)
             # A sharded group of one unpadded parameter takes autograd's gradient as its flat
-            # gradient ([Note: a gradient autograd hands over] in engine/grad_buffer.py): no copy.
+            # gradient ([Note: a gradient autograd hands over] in engine/sharding/grad_buffer.py): no copy.
             adopted = not g.persistent and g.largest_param_numel == g.numel == g.padded_numel
             u.largest_grad = max(u.largest_grad, 0 if adopted else g.largest_param_numel)
     order = [g.unit for g in groups]
@@ -238,7 +238,7 @@ def unit_sizes(groups: list[GroupStats]) -> list[UnitSizes]:
 
 class Stage3Replay:
     """[Note: stage-3 working memory]: the gathers, keeps and reductions of one stage-3 forward
-    and backward (engine/hooks.py), on sizes only; ``peak`` is the most elements held above the
+    and backward (engine/schedule/hooks.py), on sizes only; ``peak`` is the most elements held above the
     states."""
 
     def __init__(self, units: list[UnitSizes], settings: WorkingSettings) -> None:
@@ -314,7 +314,7 @@ class Stage3Replay:
             done.add(unit.name)
             while buckets and all(name in done for name, _ in buckets[0]):
                 new = sum(n for _, n in buckets.pop(0))
-                # [Note: gradients in flight] in engine/hooks.py
+                # [Note: gradients in flight] in engine/schedule/hooks.py
                 while in_flight and (len(in_flight) >= BUCKETS_IN_FLIGHT
                                      or sum(in_flight) > (BUCKETS_IN_FLIGHT - 1) * new):
                     self.grads_held -= in_flight.pop(0)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_zero.engine.buffer_pool import BufferPool
+from hf_zero.engine.sharding.buffer_pool import BufferPool
 from tests.distributed import scenarios as S
 
 REPO = Path(__file__).resolve().parents[2]

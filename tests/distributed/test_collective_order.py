@@ -1,6 +1,6 @@
 """Every rank issues the same collectives in the same order, across both process groups, even
 when ranks take different paths through the model ([Note: one order for both groups] in
-hf_zero/engine/hooks.py). On NCCL that is what makes two communicators safe: no rank's queue
+hf_zero/engine/schedule/hooks.py). On NCCL that is what makes two communicators safe: no rank's queue
 can wait on work a peer queued later. Each rank records what it issued (kind and label, in
 order) and the sequences are compared."""
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from hf_zero.engine.buckets import IN_PLACE_NUMEL
+from hf_zero.engine.schedule.buckets import IN_PLACE_NUMEL
 from tests.distributed.launch import run_distributed
 
 LR = 1e-2

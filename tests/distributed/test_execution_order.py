@@ -80,8 +80,8 @@ def _train_with_wait_moved(sc: dict[str, Any], late: bool, mutation: str) -> lis
     here and the second crashed a rank (SIGSEGV, a send reading freed memory); on a GPU either
     can pass for thousands of steps. Under late completion each fails the same way every time,
     with the operation named."""
-    from hf_zero.engine.grad_buffer import GradBuffer
-    from hf_zero.engine.unit import ParamState, ZeroUnit
+    from hf_zero.engine.sharding.grad_buffer import GradBuffer
+    from hf_zero.engine.schedule.unit import ParamState, ZeroUnit
     from hf_zero.execution import checking
 
     if mutation == "read_prefetch":

@@ -1,5 +1,5 @@
 """Where a gradient reduction divides by the world size ([Note: averaging gradients over ranks] in
-hf_zero/engine/grad_average.py), on a real gloo group of 3 ranks.
+hf_zero/engine/sharding/grad_average.py), on a real gloo group of 3 ranks.
 
 Every parameter's gradient is known exactly: the model's Linear layers all read the same input x
 and the loss is the sum of their outputs, so a weight's gradient is x in every row and a bias's

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hf_zero.checkpoint import CheckpointError
-from hf_zero.engine.optimizer_kinds import declare_elementwise
+from hf_zero.engine.optim.optimizer_kinds import declare_elementwise
 from tests.distributed import scenarios as S
 from tests.distributed.launch import run_distributed
 

@@ -2,7 +2,7 @@
 process group (``torch.testing._internal.distributed.fake_pg``: one process plays rank r of N and
 every collective completes at once without any other process) runs ``hf_zero.initialize`` on
 Llama-3-8B, Llama-3-70B, Mixtral-8x7B and Qwen2-VL-7B configs built with ``from_config`` under a live stage-3
-config, so loading is sharded ([Note: sharded initialisation] in hf_zero/engine/param_source.py).
+config, so loading is sharded ([Note: sharded initialisation] in hf_zero/engine/sharding/param_source.py).
 Layer counts are cut to one (the per-layer figures are what is checked; the vocabulary, hidden
 and expert sizes are the real ones), all in bf16.
 

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from hf_zero.engine.muon import muon_param_groups
-from hf_zero.engine.whole_param_step import assign_owners
+from hf_zero.engine.optim.muon import muon_param_groups
+from hf_zero.engine.optim.whole_param_step import assign_owners
 from tests.distributed import scenarios as S
 from tests.distributed.launch import free_port, in_group, run_distributed
 from tests.tiny_models import batch_for_step
@@ -119,7 +119,7 @@ MUON_SECTION = {"type": "Muon", "params": {"lr": MUON["lr"], "momentum": MUON["m
 def _train_muon(world: int) -> dict[str, Any]:
     """Every config through the config's Muon section, and stage 2 with MuonWithAuxAdamW passed in."""
     import hf_zero
-    from hf_zero.engine.muon import MuonWithAuxAdamW
+    from hf_zero.engine.optim.muon import MuonWithAuxAdamW
 
     S.use_fp32_newton_schulz()
     runs = [(name, stage, zero, "config") for name, (stage, zero) in CONFIGS.items()] + [("s2_passed", 2, {}, "passed")]

@@ -282,7 +282,7 @@ def test_fp16_loss_scaler_state_is_carried_over(runs, tmp_path):
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler as DeepSpeedScaler
 
     from hf_zero.checkpoint import import_deepspeed_checkpoint, read_manifest
-    from hf_zero.engine.loss_scaler import build_loss_scaler
+    from hf_zero.engine.optim.loss_scaler import build_loss_scaler
 
     scaler = DeepSpeedScaler(init_scale=2.0**10, scale_window=4, min_scale=1, delayed_shift=2,
                              consecutive_hysteresis=False)

@@ -2,7 +2,7 @@
 local hub cache (offline), revisions, subfolders, sharded checkpoints with their index, the
 keywords example scripts pass; what cannot load sharded says why on every rank; a model that no
 engine takes materialises itself on first use; resize_token_embeddings before initialize.
-(See hf_zero/integrations/zero3_loading.py and hf_zero/engine/deferred_load.py.)"""
+(See hf_zero/integrations/zero3_loading.py and hf_zero/engine/sharding/deferred_load.py.)"""
 
 from __future__ import annotations
 

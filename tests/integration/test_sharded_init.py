@@ -1,6 +1,6 @@
 """``from_config`` under a live stage-3 config builds the model on the meta device and
 ``initialize`` initialises each rank's shards one module at a time (see [Note: sharded
-initialisation] in hf_zero/engine/param_source.py): the weights have a plain build's
+initialisation] in hf_zero/engine/sharding/param_source.py): the weights have a plain build's
 distribution, and every rank draws the same values whatever its own seed."""
 
 from __future__ import annotations

@@ -245,7 +245,7 @@ def run_muon(job: dict[str, Any]) -> dict[str, Any]:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
-    from hf_zero.engine.muon import MuonWithAuxAdamW, muon_param_groups
+    from hf_zero.engine.optim.muon import MuonWithAuxAdamW, muon_param_groups
     from tests.distributed.scenarios import use_fp32_newton_schulz
     from tests.tiny_models import learnable_batch
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from hf_zero.engine.compiled_units import cuda_graphs_requested, is_compiled
+from hf_zero.engine.schedule.compiled_units import cuda_graphs_requested, is_compiled
 from tests.distributed import scenarios as S
 
 CUDA_GRAPHS = {

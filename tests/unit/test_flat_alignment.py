@@ -11,7 +11,7 @@ from torch import nn
 
 from hf_zero import partition
 from hf_zero.comm import Communicator
-from hf_zero.engine.flat_group import FlatParamGroup, GroupKind
+from hf_zero.engine.sharding.flat_group import FlatParamGroup, GroupKind
 from hf_zero.engine.policy import ShardingPolicy
 from hf_zero.partition import build_flat_layout
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from hf_zero.comm import Communicator
-from hf_zero.engine.flat_group import FlatParamGroup, GroupKind
-from hf_zero.engine.grad_buffer import GradBufferState
-from hf_zero.engine.master_state import MasterPlacement, MasterState
-from hf_zero.engine.param_storage import StorageState
+from hf_zero.engine.sharding.flat_group import FlatParamGroup, GroupKind
+from hf_zero.engine.sharding.grad_buffer import GradBufferState
+from hf_zero.engine.sharding.master_state import MasterPlacement, MasterState
+from hf_zero.engine.sharding.param_storage import StorageState
 from hf_zero.engine.policy import ShardingPolicy
 from hf_zero.offload import OffloadSettings
 

@@ -1,4 +1,4 @@
-"""The rule of [Note: averaging gradients over ranks] (hf_zero/engine/grad_average.py), as a
+"""The rule of [Note: averaging gradients over ranks] (hf_zero/engine/sharding/grad_average.py), as a
 table; no process group. tests/distributed/test_grad_average.py checks its numbers at world 3."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from hf_zero.comm import Communicator
-from hf_zero.engine.grad_average import GradAverage, average_for, plan_average, post_divisor
+from hf_zero.engine.sharding.grad_average import GradAverage, average_for, plan_average, post_divisor
 
 SUM, AVG = dist.ReduceOp.SUM, dist.ReduceOp.AVG
 

@@ -179,3 +179,25 @@ if __name__ == "__main__":
         for module in component:
             print(f"    {module} -> {sorted(graph[module] & set(component))}")
     sys.exit(1 if components else 0)
+
+
+# The engine's layers, lowest first: a layer imports only the layers below it at import time
+# (an annotation under TYPE_CHECKING may look up). engine.policy, the resolved config every
+# layer reads, sits below them all; engine.engine and engine.initialize, above them all.
+ENGINE_LAYERS = ("hf_zero.engine.sharding", "hf_zero.engine.schedule", "hf_zero.engine.optim")
+
+
+def _engine_layer(module: str) -> int | None:
+    for level, layer in enumerate(ENGINE_LAYERS):
+        if module == layer or module.startswith(layer + "."):
+            return level
+    return None
+
+
+def test_each_engine_layer_imports_only_the_layers_below_it():
+    upward = [(a, b) for a, targets in import_graph().items() for b in targets
+              if _engine_layer(a) is not None and _engine_layer(b) is not None and _engine_layer(b) > _engine_layer(a)]
+    assert upward == [], f"imports from a lower engine layer into a higher one: {upward}"
+    below_all = [(a, b) for a, targets in import_graph().items() for b in targets
+                 if _engine_layer(a) is not None and b in ("hf_zero.engine.engine", "hf_zero.engine.initialize")]
+    assert below_all == [], f"a layer imports the engine built on it: {below_all}"

@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from hf_zero.engine.loss_scaler import DynamicLossScaler, LossScaler, build_loss_scaler
+from hf_zero.engine.optim.loss_scaler import DynamicLossScaler, LossScaler, build_loss_scaler
 
 O, C = True, False  # overflow, clean
 

@@ -7,7 +7,7 @@ import copy
 
 import torch
 
-from hf_zero.engine.muon import MuonWithAuxAdamW
+from hf_zero.engine.optim.muon import MuonWithAuxAdamW
 
 
 def _optimizer() -> tuple[MuonWithAuxAdamW, torch.nn.Parameter, torch.nn.Parameter]:

@@ -13,9 +13,9 @@ import torch
 
 import hf_zero
 from hf_zero.config import HfZeroConfig
-from hf_zero.engine.flat_group import FlatParamGroup, GroupKind
+from hf_zero.engine.sharding.flat_group import FlatParamGroup, GroupKind
 from hf_zero.engine.policy import BUCKETS_IN_FLIGHT, ShardingPolicy
-from hf_zero.engine.unit import ParamState
+from hf_zero.engine.schedule.unit import ParamState
 from hf_zero.comm import Communicator
 from tests.tiny_models import batch_for_step, tiny_gpt2
 

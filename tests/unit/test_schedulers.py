@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from hf_zero.engine.schedulers import (
+from hf_zero.engine.optim.schedulers import (
     SUPPORTED_SCHEDULERS,
     WarmupCosineLR,
     WarmupDecayLR,

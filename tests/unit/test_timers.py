@@ -11,7 +11,7 @@ import torch
 
 import hf_zero
 from hf_zero.engine.memory import CATEGORIES, format_memory_table
-from hf_zero.engine.timers import PHASES, PhaseTimers
+from hf_zero.engine.schedule.timers import PHASES, PhaseTimers
 from tests.tiny_models import batch_for_step, tiny_gpt2
 
 

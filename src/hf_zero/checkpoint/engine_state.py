@@ -18,9 +18,9 @@ if TYPE_CHECKING:
 
     from hf_zero.comm import Communicator
     from hf_zero.config import HfZeroConfig
-    from hf_zero.engine.flat_group import FlatParamGroup
-    from hf_zero.engine.optimizer import ZeroOptimizer
-    from hf_zero.engine.unit import ZeroUnit
+    from hf_zero.engine.sharding.flat_group import FlatParamGroup
+    from hf_zero.engine.optim.optimizer import ZeroOptimizer
+    from hf_zero.engine.schedule.unit import ZeroUnit
 
 
 @runtime_checkable

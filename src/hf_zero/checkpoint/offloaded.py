@@ -29,7 +29,7 @@ from hf_zero.checkpoint.safetensors_io import TensorEntry
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 if TYPE_CHECKING:
-    from hf_zero.engine.flat_group import FlatParamGroup
+    from hf_zero.engine.sharding.flat_group import FlatParamGroup
 
 
 def _store(engine: EngineState, group: FlatParamGroup) -> Any:

@@ -15,7 +15,7 @@ slice per group. Padding is never read: the destination starts zeroed.
 [Note: one step count per group]
 Element-wise optimizer state is mapped by name like the parameters. The config's Adam keeps its
 step counts per parameter too (``slot_steps``, [Note: parameters no rank used] in
-hf_zero.engine.param_usage), so they are mapped by name as well, whatever groups a new layout
+hf_zero.engine.sharding.param_usage), so they are mapped by name as well, whatever groups a new layout
 merges or splits (a checkpoint saved before per-parameter counts gives each parameter its group's
 ``step``). An optimizer whose scalars are one per flat tensor (a torch optimizer rebuilt over the
 shards) cannot be split that way: a new layout may merge several saved groups into one (stage 3

@@ -48,7 +48,7 @@ from hf_zero.checkpoint.whole_state import MANIFEST_KEY, merge_records, whole_pa
 from hf_zero.offload.nvme import format_bytes
 
 if TYPE_CHECKING:
-    from hf_zero.engine.flat_group import FlatParamGroup
+    from hf_zero.engine.sharding.flat_group import FlatParamGroup
 
 logger = logging.getLogger("hf_zero")
 

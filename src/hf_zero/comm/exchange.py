@@ -27,7 +27,7 @@ call.
 torch's gloo all-gather receives into a scratch buffer the size of the whole output, allocated
 on gloo's worker thread for every call, and then copies it into the caller's output chunk by
 chunk: one more pass over every gathered byte, and a unit-sized block in a heap the engine does
-not own ([Note: the buffer pool] in hf_zero.engine.buffer_pool). Stage 3 gathers every unit once
+not own ([Note: the buffer pool] in hf_zero.engine.sharding.buffer_pool). Stage 3 gathers every unit once
 per step and stages 1-2 gather the updated shards, so on gloo hf_zero exchanges instead: each rank
 sends its shard to every peer and receives each peer's shard straight into that peer's chunk of
 the output, all posted at once. The bytes on the wire are a ring all-gather's ((N-1) shards out

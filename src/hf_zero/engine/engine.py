@@ -11,15 +11,15 @@ import torch
 from torch import nn
 
 from hf_zero.comm import Communicator, out_of_step
-from hf_zero.engine.buffer_pool import BufferPool
-from hf_zero.engine.compiled_units import compile_units, is_compiled, training_without_cache
-from hf_zero.engine.hooks import UnitProtocol
+from hf_zero.engine.sharding.buffer_pool import BufferPool
+from hf_zero.engine.schedule.compiled_units import compile_units, is_compiled, training_without_cache
+from hf_zero.engine.schedule.hooks import UnitProtocol
 from hf_zero.engine.memory import format_memory_table, memory_report
-from hf_zero.engine.optimizer import ZeroOptimizer
+from hf_zero.engine.optim.optimizer import ZeroOptimizer
 from hf_zero.engine.policy import ShardingPolicy
-from hf_zero.engine.rank_agreement import RankDisagreementError
-from hf_zero.engine.timers import PhaseTimers
-from hf_zero.engine.unit import ZeroUnit
+from hf_zero.engine.schedule.rank_agreement import RankDisagreementError
+from hf_zero.engine.schedule.timers import PhaseTimers
+from hf_zero.engine.schedule.unit import ZeroUnit
 
 if TYPE_CHECKING:
     from hf_zero.config import HfZeroConfig
@@ -332,7 +332,7 @@ class ZeroEngine(nn.Module):
         """``wall_clock_breakdown``'s figures: for each of forward, backward, reduce, step and
         gather, ``seconds`` and ``count`` since the last ``steps_per_print`` line or
         :meth:`reset_timers`, and ``total_seconds`` / ``total_count`` since the start. See
-        [Note: what each phase covers] in hf_zero.engine.timers."""
+        [Note: what each phase covers] in hf_zero.engine.schedule.timers."""
         if self._timers is None:
             raise RuntimeError(
                 'engine.timers() needs "wall_clock_breakdown": true in the config; without it '

@@ -14,20 +14,20 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from hf_zero.comm import Communicator, default_device, ensure_process_group, hf_zero_timeout_s
 from hf_zero.config import HfZeroConfig
 from hf_zero.config.validate import config_warnings
-from hf_zero.engine.deferred_load import disarm_materialisation, find_source, initialise_new_adapters
-from hf_zero.engine.buffer_pool import BufferPool, hand_back_free_heap_pages
+from hf_zero.engine.sharding.deferred_load import disarm_materialisation, find_source, initialise_new_adapters
+from hf_zero.engine.sharding.buffer_pool import BufferPool, hand_back_free_heap_pages
 from hf_zero.engine.engine import ZeroEngine
 from hf_zero.engine.policy import BUCKETS_IN_FLIGHT, ShardingPolicy
-from hf_zero.engine.loss_scaler import build_loss_scaler
-from hf_zero.engine.muon import MuonWithAuxAdamW, muon_param_groups
-from hf_zero.engine.optimizer import ZeroAdam, ZeroOptimizer
-from hf_zero.engine.optimizer_kinds import OptimizerKind, check_flat_shard_optimizer
-from hf_zero.engine.whole_param_step import WholeParamStep
-from hf_zero.engine.param_source import SOURCE_ATTRIBUTE, ParamSource
-from hf_zero.engine.overlap_step import OverlappedOffloadStep, can_overlap
-from hf_zero.engine.rank_agreement import TIMEOUT_ENV, agree, collective_timeout_s, fingerprint
-from hf_zero.engine.schedulers import build_scheduler
-from hf_zero.engine.unit import ZeroUnit
+from hf_zero.engine.optim.loss_scaler import build_loss_scaler
+from hf_zero.engine.optim.muon import MuonWithAuxAdamW, muon_param_groups
+from hf_zero.engine.optim.optimizer import ZeroAdam, ZeroOptimizer
+from hf_zero.engine.optim.optimizer_kinds import OptimizerKind, check_flat_shard_optimizer
+from hf_zero.engine.optim.whole_param_step import WholeParamStep
+from hf_zero.engine.sharding.param_source import SOURCE_ATTRIBUTE, ParamSource
+from hf_zero.engine.optim.overlap_step import OverlappedOffloadStep, can_overlap
+from hf_zero.engine.schedule.rank_agreement import TIMEOUT_ENV, agree, collective_timeout_s, fingerprint
+from hf_zero.engine.optim.schedulers import build_scheduler
+from hf_zero.engine.schedule.unit import ZeroUnit
 from hf_zero.offload import NvmeOptimizerStore, NvmeParamStore, OffloadSettings, units_to_offload
 from hf_zero.offload.grad_copies import HostGradCopies
 from hf_zero.partition import KEEP_GATHERED, is_persistent, plan_units
@@ -148,7 +148,7 @@ def _check_muon_covers_matrices_only(optimizer: OptimizerArg, model: nn.Module) 
             f"torch.optim.Muon steps 2-D weights only, and the model trains {len(others)} other "
             f"parameter(s) ({', '.join(others[:3])}{', ...' if len(others) > 3 else ''}); use the config's "
             "\"optimizer\": {\"type\": \"Muon\"} (Muon for hidden 2-D weights, AdamW for the rest), or pass "
-            "hf_zero.engine.muon.MuonWithAuxAdamW(muon_param_groups(model, muon_hyper, adamw_hyper)) "
+            "hf_zero.engine.optim.muon.MuonWithAuxAdamW(muon_param_groups(model, muon_hyper, adamw_hyper)) "
             "(see docs/optimizers.md)")
 
 

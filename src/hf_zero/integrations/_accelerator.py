@@ -52,7 +52,7 @@ import hf_zero
 from hf_zero.config import HfZeroConfig
 from hf_zero.engine.engine import ZeroEngine
 from hf_zero.engine.initialize import hidden_size_of
-from hf_zero.engine.optimizer import ZeroOptimizer
+from hf_zero.engine.optim.optimizer import ZeroOptimizer
 from hf_zero.integrations._plugin import HfZeroPlugin, plugin_from_env
 from hf_zero.integrations._weights import attach_engine, engine_of, gather_full_state_dict, release_engine
 

@@ -26,7 +26,7 @@ from torch import nn
 
 from hf_zero.transfer import to_compute
 from hf_zero.engine.engine import ZeroEngine
-from hf_zero.engine.flat_group import FlatParamGroup
+from hf_zero.engine.sharding.flat_group import FlatParamGroup
 
 logger = logging.getLogger("hf_zero")
 

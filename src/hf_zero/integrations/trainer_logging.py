@@ -10,7 +10,7 @@ wraps its model:
 - ``hf_zero/loss_scale`` (and ``hf_zero/skipped_steps`` under fp16);
 - with ``"wall_clock_breakdown": true``, ``hf_zero/timers/<phase>_s``: seconds per optimizer step
   spent in forward, backward, reduce, step and gather, averaged over the steps since the
-  previous log (see [Note: what each phase covers] in hf_zero.engine.timers).
+  previous log (see [Note: what each phase covers] in hf_zero.engine.schedule.timers).
 
 [Note: where the callback sits]
 ``Trainer.log`` copies the logs into ``state.log_history`` and then calls each callback's

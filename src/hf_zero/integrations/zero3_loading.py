@@ -21,7 +21,7 @@ quantization, ``from_tf=True``, a checkpoint lacking some weights...) loads the 
 every rank, with a WARNING on every rank naming the reason; ``initialize`` then shards it.
 
 A model loaded this way and never given to an engine is still a normal model: see
-[Note: materialising on first use] in hf_zero.engine.deferred_load. PEFT adapters added to it
+[Note: materialising on first use] in hf_zero.engine.sharding.deferred_load. PEFT adapters added to it
 keep the values PEFT drew for them: see [Note: adapters on a lazily loaded base].
 """
 
@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
-from hf_zero.engine.deferred_load import arm_materialisation
-from hf_zero.engine.param_source import SOURCE_ATTRIBUTE, InitSource, SafetensorsSource
+from hf_zero.engine.sharding.deferred_load import arm_materialisation
+from hf_zero.engine.sharding.param_source import SOURCE_ATTRIBUTE, InitSource, SafetensorsSource
 
 logger = logging.getLogger("hf_zero")
 
@@ -341,7 +341,7 @@ def _unexpected_keys(cls: Any, model: torch.nn.Module, source: SafetensorsSource
 
 def lazy_from_config(cls: Any, config: Any, **kwargs: Any) -> Any:
     """``from_config`` on the meta device, initialised unit by unit by ``initialize`` (see
-    [Note: sharded initialisation] in hf_zero.engine.param_source)."""
+    [Note: sharded initialisation] in hf_zero.engine.sharding.param_source)."""
     from accelerate import init_empty_weights
 
     config = copy.deepcopy(config)

@@ -130,7 +130,7 @@ class NvmeOptimizerStore:
         self.numels = shard_numels
         self.steps = [0] * len(shard_numels)
         # Per group, one step count per parameter once it has stepped ([Note: parameters no rank
-        # used] in hf_zero.engine.param_usage); None: every parameter at ``steps``.
+        # used] in hf_zero.engine.sharding.param_usage); None: every parameter at ``steps``.
         self.slot_steps: list[list[int] | None] = [None] * len(shard_numels)
         self.tile_numel = max(1, min(tile_numel, max(shard_numels, default=1)))
         self._fds: dict[tuple[int, str], int] = {}
@@ -180,7 +180,7 @@ class NvmeOptimizerStore:
         ``write_compute(tile, start)`` (the group's ``write_compute_shard``). ``usage``: the
         shard's segments and which parameters some rank used (all, when None); tiles holding only
         unused parameters are neither read nor written."""
-        from hf_zero.engine.param_usage import Segment, advanced_steps, step_runs
+        from hf_zero.engine.sharding.param_usage import Segment, advanced_steps, step_runs
         from hf_zero.kernels import fused_adam_
 
         segments, used = usage or ([Segment(0, 0, self.numels[index])], [True])

@@ -38,10 +38,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hf_zero.engine.flat_group import FlatParamGroup
-from hf_zero.engine.inner_step import NvmeInnerStep
-from hf_zero.engine.optimizer import ZeroAdam
-from hf_zero.engine.step_pipeline import StepOutcome, StepPipeline
+from hf_zero.engine.sharding.flat_group import FlatParamGroup
+from hf_zero.engine.optim.inner_step import NvmeInnerStep
+from hf_zero.engine.optim.optimizer import ZeroAdam
+from hf_zero.engine.optim.step_pipeline import StepOutcome, StepPipeline
 from hf_zero.execution import bound_thread_initializer
 from hf_zero.transfer import host_snapshot
 

@@ -49,8 +49,8 @@ import torch
 from torch import nn
 
 from hf_zero.comm import Communicator, Handle
-from hf_zero.engine.buffer_pool import BufferPool, allocate_storage, free_storage, storage_bytes
-from hf_zero.engine.grad_average import plan_average, post_divisor
+from hf_zero.engine.sharding.buffer_pool import BufferPool, allocate_storage, free_storage, storage_bytes
+from hf_zero.engine.sharding.grad_average import plan_average, post_divisor
 from hf_zero.engine.policy import ShardingPolicy
 from hf_zero.execution import execution_for
 from hf_zero.offload import OffloadSettings
@@ -116,7 +116,7 @@ class GradBuffer:
         # The gradient shard holds nothing yet in this step (all zeros): a reduction may write
         # it instead of being added into it ([Note: reducing into the gradient shard]).
         self.shard_is_zero = True
-        # [Note: parameters no rank used] in hf_zero.engine.param_usage: per parameter, whether
+        # [Note: parameters no rank used] in hf_zero.engine.sharding.param_usage: per parameter, whether
         # it got a gradient on this rank since the last optimizer step.
         self.received = [False] * len(params)
         # While autograd's gradients land in a fresh buffer: which slots one has written

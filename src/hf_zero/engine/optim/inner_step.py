@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
-from hf_zero.engine.flat_group import FlatParamGroup
-from hf_zero.engine.param_usage import unused_ranges
+from hf_zero.engine.sharding.flat_group import FlatParamGroup
+from hf_zero.engine.sharding.param_usage import unused_ranges
 
 if TYPE_CHECKING:  # annotations only (optimizer imports this module)
-    from hf_zero.engine.optimizer import ZeroAdam
-    from hf_zero.engine.whole_param_step import WholeParamStep
+    from hf_zero.engine.optim.optimizer import ZeroAdam
+    from hf_zero.engine.optim.whole_param_step import WholeParamStep
     from hf_zero.offload import NvmeOptimizerStore
 
 
@@ -56,7 +56,7 @@ class InnerStep:
         """The step of one group without loss scale or clipping (the overlapped offload step)."""
         raise NotImplementedError(
             f"{type(self).__name__}: the overlapped offload step needs hf_zero's Adam/AdamW or NVMe "
-            "offload, which step one group at a time (see hf_zero.engine.overlap_step.can_overlap)")
+            "offload, which step one group at a time (see hf_zero.engine.optim.overlap_step.can_overlap)")
 
     def hyper_of(self, group: FlatParamGroup) -> dict[str, Any]:
         """The param group (hyperparameters) ``group``'s master steps in."""
@@ -145,7 +145,7 @@ def _skipping_unused(groups: list[FlatParamGroup], used: list[list[bool]], inner
     no rank used have ``grad`` None, so any torch optimizer skips them. With ``put_back_partial``
     (an optimizer that steps whole tensors), the elements of unused parameters in a group that is
     stepped, and their element-wise state, are put back afterwards ([Note: parameters no rank
-    used] in hf_zero.engine.param_usage)."""
+    used] in hf_zero.engine.sharding.param_usage)."""
     hidden, kept = [], []
     for group, group_used in zip(groups, used):
         group.params_used = group_used

@@ -61,7 +61,7 @@ ALTERNATIVES = (
 
 
 # Shape-aware classes hf_zero steps whole, one owner rank per parameter ([Note: whole-parameter
-# step] in hf_zero.engine.whole_param_step): exact classes only, a subclass may read more.
+# step] in hf_zero.engine.optim.whole_param_step): exact classes only, a subclass may read more.
 WHOLE_PARAM_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = tuple(
     getattr(torch.optim, name) for name in ("Adafactor", "Muon") if hasattr(torch.optim, name)
 )
@@ -69,7 +69,7 @@ WHOLE_PARAM_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = tuple(
 # (the Trainer's --optim adafactor) scales each parameter's update by that parameter's RMS;
 # hf_zero's Muon with auxiliary AdamW ([Note: Muon with auxiliary AdamW]).
 WHOLE_PARAM_OPTIMIZER_NAMES: frozenset[tuple[str, str]] = frozenset({
-    ("transformers.optimization", "Adafactor"), ("hf_zero.engine.muon", "MuonWithAuxAdamW")})
+    ("transformers.optimization", "Adafactor"), ("hf_zero.engine.optim.muon", "MuonWithAuxAdamW")})
 
 
 class OptimizerKind(enum.Enum):

@@ -12,7 +12,7 @@ and ``allgather_bucket_size`` buckets work:
   (but the last); it is packed rank-major with ``kernels.pack_for_reduce_scatter`` (cast to the
   reduce dtype, and pre-divided where one is due, in the same pass) and reduce-scattered once;
   rank r receives its shard of every group back to back. Where the division by the world size
-  happens is [Note: averaging gradients over ranks] (engine/grad_average.py). The full
+  happens is [Note: averaging gradients over ranks] (engine/sharding/grad_average.py). The full
   gradients are freed as soon as they are packed, so a bucket in flight holds one packed copy,
   not the groups' buffers. ``reduce_bucket_size`` 0 gives one collective per group; a bucket of
   one group skips the pack and reduces in place.
@@ -37,10 +37,10 @@ from typing import Any, Iterator
 import torch
 
 from hf_zero.comm import Communicator, Handle
-from hf_zero.engine.flat_group import FlatParamGroup
-from hf_zero.engine.grad_buffer import PendingReduce
-from hf_zero.engine.grad_average import plan_average
-from hf_zero.engine.unit import GradState, ZeroUnit
+from hf_zero.engine.sharding.flat_group import FlatParamGroup
+from hf_zero.engine.sharding.grad_buffer import PendingReduce
+from hf_zero.engine.sharding.grad_average import plan_average
+from hf_zero.engine.schedule.unit import GradState, ZeroUnit
 from hf_zero.kernels import pack_for_reduce_scatter, unpack_after_all_gather
 
 

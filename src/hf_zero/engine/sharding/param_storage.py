@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from hf_zero.comm import Communicator, Handle
-from hf_zero.engine.buffer_pool import BufferPool
-from hf_zero.engine.param_source import ParamSource
-from hf_zero.engine.sharded_param import mark_gathered, mark_sharded
+from hf_zero.engine.sharding.buffer_pool import BufferPool
+from hf_zero.engine.sharding.param_source import ParamSource
+from hf_zero.engine.sharding.sharded_param import mark_gathered, mark_sharded
 from hf_zero.offload import NvmeShard, OffloadSettings
 from hf_zero.offload.shard_store import DeviceShard, HostShard, ShardStore
 from hf_zero.partition import FlatLayout

@@ -52,7 +52,7 @@ class MuonWithAuxAdamW(torch.optim.Optimizer):
         missing = [i for i, group in enumerate(param_groups) if "use_muon" not in group]
         if missing:
             raise ValueError(f"MuonWithAuxAdamW: param group(s) {missing} lack 'use_muon' (true for hidden 2-D "
-                             "weights, false for the rest); build the groups with hf_zero.engine.muon.muon_param_groups")
+                             "weights, false for the rest); build the groups with hf_zero.engine.optim.muon.muon_param_groups")
         super().__init__(param_groups, {})
         # Each stepper fills its defaults into the groups it is built on (these very dicts);
         # torch refuses an optimizer with no group, so a kind without groups has no stepper.

@@ -86,7 +86,7 @@ two communicators' kernels fitting on the GPU side by side.
   used is announced to ``on_grads_final`` (the offloaded optimizer starts its CPU step there,
   overlapping the backward still running).
 - With ``wall_clock_breakdown``, each gather (with its wait and the prefetches it starts) runs
-  under the ``gather`` timer and each reduction under ``reduce`` (hf_zero.engine.timers).
+  under the ``gather`` timer and each reduction under ``reduce`` (hf_zero.engine.schedule.timers).
 
 [Note: parameters read without their module]
 Code may read a stage-3 parameter of a unit whose module it never calls: a fused loss reads
@@ -157,12 +157,12 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from hf_zero.comm import Communicator
-from hf_zero.engine.buffer_pool import BufferPool
-from hf_zero.engine.buckets import PendingBucket, ReduceSchedule, finish_bucket, start_bucket
-from hf_zero.engine.flat_group import FlatParamGroup
+from hf_zero.engine.sharding.buffer_pool import BufferPool
+from hf_zero.engine.schedule.buckets import PendingBucket, ReduceSchedule, finish_bucket, start_bucket
+from hf_zero.engine.sharding.flat_group import FlatParamGroup
 from hf_zero.engine.policy import ShardingPolicy
-from hf_zero.engine.timers import PhaseTimers
-from hf_zero.engine.unit import GradState, ParamState, ZeroUnit
+from hf_zero.engine.schedule.timers import PhaseTimers
+from hf_zero.engine.schedule.unit import GradState, ParamState, ZeroUnit
 
 
 def _in_backward() -> bool:

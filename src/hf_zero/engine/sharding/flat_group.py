@@ -1,8 +1,8 @@
 """A unit's parameters of one :class:`GroupKind` in one padded flat buffer: the identity (kind,
 parameters, owner, layout) and its three parts, each with its own state: the parameter storage
-(:class:`~hf_zero.engine.param_storage.ParamStorage`: layout, views, gather and free), the
-gradient buffer (:class:`~hf_zero.engine.grad_buffer.GradBuffer`: accumulate, reduce, shard) and
-the fp32 master (:class:`~hf_zero.engine.master_state.MasterState`: precision, placement).
+(:class:`~hf_zero.engine.sharding.param_storage.ParamStorage`: layout, views, gather and free), the
+gradient buffer (:class:`~hf_zero.engine.sharding.grad_buffer.GradBuffer`: accumulate, reduce, shard) and
+the fp32 master (:class:`~hf_zero.engine.sharding.master_state.MasterState`: precision, placement).
 """
 
 from __future__ import annotations
@@ -14,18 +14,18 @@ import torch
 from torch import nn
 
 from hf_zero.comm import Communicator
-from hf_zero.engine.buffer_pool import BufferPool
-from hf_zero.engine.grad_buffer import GradBuffer
-from hf_zero.engine.master_state import MasterState
-from hf_zero.engine.param_source import ParamSource
-from hf_zero.engine.param_storage import ParamStorage
-from hf_zero.engine.param_usage import shard_segments
+from hf_zero.engine.sharding.buffer_pool import BufferPool
+from hf_zero.engine.sharding.grad_buffer import GradBuffer
+from hf_zero.engine.sharding.master_state import MasterState
+from hf_zero.engine.sharding.param_source import ParamSource
+from hf_zero.engine.sharding.param_storage import ParamStorage
+from hf_zero.engine.sharding.param_usage import shard_segments
 from hf_zero.engine.policy import ShardingPolicy
 from hf_zero.offload import NvmeShard, OffloadSettings
 from hf_zero.partition import FlatLayout, build_flat_layout
 
 if TYPE_CHECKING:  # unit.py builds the groups: imports this module
-    from hf_zero.engine.unit import ZeroUnit
+    from hf_zero.engine.schedule.unit import ZeroUnit
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ class FlatParamGroup:
                                         offload, separate=leaves_device)
         self.grads = GradBuffer(label, self.params, self.layout, comm, policy, offload, buffers, self,
                                 compute_dtype, device, self.master_state.tensor)
-        # [Note: parameters no rank used] in hf_zero.engine.param_usage: per parameter, whether
+        # [Note: parameters no rank used] in hf_zero.engine.sharding.param_usage: per parameter, whether
         # some rank got a gradient for it (set by the optimizer step, the same on every rank).
         self.params_used = [True] * len(self.params)
         self.segments = shard_segments(self.layout, self.shard_range)

@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from hf_zero.engine.param_source import SOURCE_ATTRIBUTE, ParamSource
+from hf_zero.engine.sharding.param_source import SOURCE_ATTRIBUTE, ParamSource
 
 logger = logging.getLogger("hf_zero")
 

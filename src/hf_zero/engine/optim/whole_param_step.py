@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 
 from hf_zero.comm import Communicator
-from hf_zero.engine.flat_group import FlatParamGroup
+from hf_zero.engine.sharding.flat_group import FlatParamGroup
 from hf_zero.partition import ParamSlot
 from hf_zero.transfer import to_compute
 

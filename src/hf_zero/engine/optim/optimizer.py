@@ -5,8 +5,8 @@ decay, moments, update, and the write of the 16-bit compute copy; see hf_zero.ke
 :class:`ZeroOptimizer` wraps it, or any torch optimizer rebuilt over the shards, and runs the
 step the way DeepSpeed's ZeRO optimizer does: fp16 overflow check and skip, global-norm clipping
 over all shards of all ranks, the inner step, then the all-gather of updated parameters. The
-stages of that step are in hf_zero.engine.step_pipeline ([Note: the step pipeline]); the inner
-step's kinds in hf_zero.engine.inner_step.
+stages of that step are in hf_zero.engine.optim.step_pipeline ([Note: the step pipeline]); the inner
+step's kinds in hf_zero.engine.optim.inner_step.
 """
 
 from __future__ import annotations
@@ -17,22 +17,22 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 import torch
 
 from hf_zero.comm import Communicator
-from hf_zero.engine.flat_group import FlatParamGroup
-from hf_zero.engine.inner_step import (
+from hf_zero.engine.sharding.flat_group import FlatParamGroup
+from hf_zero.engine.optim.inner_step import (
     FlatAdamInnerStep,
     InnerStep,
     NvmeInnerStep,
     TorchInnerStep,
     WholeParamInnerStep,
 )
-from hf_zero.engine.param_usage import Segment, advanced_steps, step_runs
+from hf_zero.engine.sharding.param_usage import Segment, advanced_steps, step_runs
 from hf_zero.engine.policy import ShardingPolicy
-from hf_zero.engine.step_pipeline import StepOutcome, StepPipeline
+from hf_zero.engine.optim.step_pipeline import StepOutcome, StepPipeline
 
 if TYPE_CHECKING:  # annotations only (overlap_step imports this module at run time)
-    from hf_zero.engine.loss_scaler import LossScaler
-    from hf_zero.engine.overlap_step import OverlappedOffloadStep
-    from hf_zero.engine.whole_param_step import WholeParamStep
+    from hf_zero.engine.optim.loss_scaler import LossScaler
+    from hf_zero.engine.optim.overlap_step import OverlappedOffloadStep
+    from hf_zero.engine.optim.whole_param_step import WholeParamStep
     from hf_zero.offload import NvmeOptimizerStore
 
 
@@ -43,7 +43,7 @@ class ZeroAdam(torch.optim.Optimizer):
     its ``adam_w_mode``); False is Adam with L2 regularisation added to the gradient.
     """
 
-    hf_zero_elementwise = True  # see [Note: element-wise optimizers] in hf_zero.engine.optimizer_kinds
+    hf_zero_elementwise = True  # see [Note: element-wise optimizers] in hf_zero.engine.optim.optimizer_kinds
     per_slot_steps = True  # state["slot_steps"]: one step count per parameter ([Note: parameters no rank used])
 
     def __init__(
@@ -111,7 +111,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     ``param_groups`` and ``state`` are the inner optimizer's, so torch LR schedulers (the
     Trainer's included) and checkpoints see the real hyperparameters. Call ``engine.step()``
     in a training loop; this object's :meth:`step` is what it runs at the accumulation boundary:
-    [Note: the step pipeline] in hf_zero.engine.step_pipeline.
+    [Note: the step pipeline] in hf_zero.engine.optim.step_pipeline.
     """
 
     def __init__(

@@ -7,7 +7,7 @@ not it overlaps the backward:
 - ``measure``: this rank's squared gradient norm and inf/nan flag (:meth:`StepPipeline.local_norm_terms`),
   summed over ranks together with which parameters some rank used (:meth:`StepPipeline.all_ranks_norm`):
   one all-reduce.
-- ``apply``: the inner step, one kind chosen when the optimizer is built (hf_zero.engine.inner_step:
+- ``apply``: the inner step, one kind chosen when the optimizer is built (hf_zero.engine.optim.inner_step:
   fused Adam, a torch optimizer, the whole-parameter step, NVMe). It leaves the stepped groups'
   compute shards holding the new values.
 - ``commit`` (the step stands: undo copies dropped, ``publish``, the loss scale kept or grown,
@@ -18,7 +18,7 @@ not it overlaps the backward:
 
 :meth:`StepPipeline.run` is the plain order: measure, then roll back at once when some gradient
 is not finite (nothing was applied, so nothing is undone), else apply with the loss scale and the
-clip coefficient, and commit. The [Note: overlapped offload step] (hf_zero.engine.overlap_step) is
+clip coefficient, and commit. The [Note: overlapped offload step] (hf_zero.engine.optim.overlap_step) is
 another schedule of the same stages: ``apply`` per group on a worker while the backward runs,
 then ``measure``, and ``commit`` or ``roll_back`` with its undo copies. Each step records its
 :class:`StepOutcome` and the global gradient norm.
@@ -35,14 +35,14 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from hf_zero.comm import Communicator
-from hf_zero.engine.buckets import all_gather_updated
-from hf_zero.engine.flat_group import FlatParamGroup
-from hf_zero.engine.inner_step import InnerStep
+from hf_zero.engine.schedule.buckets import all_gather_updated
+from hf_zero.engine.sharding.flat_group import FlatParamGroup
+from hf_zero.engine.optim.inner_step import InnerStep
 from hf_zero.engine.policy import ShardingPolicy
 from hf_zero.transfer import assert_not_host, is_host_store, mark_host, to_compute
 
 if TYPE_CHECKING:
-    from hf_zero.engine.loss_scaler import LossScaler
+    from hf_zero.engine.optim.loss_scaler import LossScaler
 
 logger = logging.getLogger("hf_zero")
 
@@ -141,7 +141,7 @@ class StepPipeline:
     def all_ranks_norm(self, local: torch.Tensor) -> NormMeasure:
         """This rank's [squared norm, non-finite flag] summed over ranks, and, per group, which
         parameters got a gradient on some rank: one all-reduce for all three ([Note: parameters
-        no rank used] in hf_zero.engine.param_usage; torch's norm skips a None gradient, and an
+        no rank used] in hf_zero.engine.sharding.param_usage; torch's norm skips a None gradient, and an
         unused parameter's gradient here is zeros, so the norm is the same)."""
         assert_not_host(local, "the grad-norm all-reduce")  # packed below: the check must see it here
         flags = [float(received) for g in self.groups for received in g.grads_received]

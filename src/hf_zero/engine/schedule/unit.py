@@ -23,9 +23,9 @@ import torch
 from torch import nn
 
 from hf_zero.comm import Communicator
-from hf_zero.engine.buffer_pool import BufferPool
-from hf_zero.engine.flat_group import FlatParamGroup, GroupKind
-from hf_zero.engine.param_source import ParamSource
+from hf_zero.engine.sharding.buffer_pool import BufferPool
+from hf_zero.engine.sharding.flat_group import FlatParamGroup, GroupKind
+from hf_zero.engine.sharding.param_source import ParamSource
 from hf_zero.engine.policy import ShardingPolicy
 from hf_zero.offload import OffloadSettings
 from hf_zero.partition import UnitSpec, is_persistent
