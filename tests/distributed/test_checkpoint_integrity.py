@@ -192,10 +192,11 @@ def _state_digest(engine: Any) -> str:
     digest = hashlib.sha256()
     for unit in engine.units:
         for group in unit.groups:
-            for tensor in (group.shard, group.master):
+            for tensor in (group.storage.shard, group.master_state.tensor):
                 if tensor is not None:
                     digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-            state = engine.optimizer.inner.state.get(group.master, {}) if group.master is not None else {}
+            master = group.master_state.tensor
+            state = engine.optimizer.inner.state.get(master, {}) if master is not None else {}
             for key in sorted(state):
                 value = state[key]
                 digest.update(key.encode())

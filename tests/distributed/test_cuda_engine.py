@@ -103,7 +103,7 @@ def _worker(scenarios: list[dict[str, Any]]) -> dict[str, Any]:
     # The kernels the engine's own device-resident state dispatches to (stage 3 without offload).
     sc = S.scenario("gpt2", 3)
     engine, *_ = hf_zero.initialize(model=S.build_model(sc), config=S.make_config(sc))
-    masters = [g.master for u in engine.units for g in u.groups if g.master is not None]
+    masters = [g.master_state.tensor for u in engine.units for g in u.groups if g.master_state.tensor is not None]
     backends = sorted({kernels.backend_for(m, op) for m in masters
                        for op in ("fused_adam_", "nonfinite_and_sqnorm", "pack_for_reduce_scatter")})
     return {"results": results, "backend": dist.get_backend(), "kernel_backends": backends,
@@ -121,8 +121,8 @@ def _host_tensors_pinned(pin_memory: bool) -> list[bool]:
     engine.backward(S.model_loss(engine, "llama", batch.to(engine.device)))
     engine.step()
     groups = [g for u in engine.units for g in u.groups]
-    tensors = [g.master for g in groups] + [g.grad_shard for g in groups]
-    tensors += [g.shard for g in groups if g.shard_on_host]
+    tensors = [g.master_state.tensor for g in groups] + [g.grads.shard for g in groups]
+    tensors += [g.storage.shard for g in groups if g.storage.shard_on_host]
     tensors += [v for state in engine.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
     return [t.is_pinned() for t in tensors if t is not None and t.device.type == "cpu" and t.dim() > 0 and t.numel()]
 

@@ -27,7 +27,7 @@ def _modify_under_gathered_parameters() -> dict[str, Any]:
     freed = wte.untyped_storage().nbytes() == 0
     with engine.gathered_parameters():
         values = sorted(set(wte.detach().reshape(-1).tolist()))
-    masters = [g.master for u in engine.units for g in u.groups if g.master is not None]
+    masters = [g.master_state.tensor for u in engine.units for g in u.groups if g.master_state.tensor is not None]
     return {"shape": inside_shape, "freed": freed, "values": values,
             "master_quarters": sum(int((m == 0.25).sum()) for m in masters)}
 

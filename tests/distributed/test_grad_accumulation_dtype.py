@@ -47,7 +47,7 @@ def _engine_grads(engine: Any) -> dict[str, torch.Tensor]:
     found = {}
     for unit in engine.units:
         for group in unit.trainable_groups:
-            shard = group.grad_shard
+            shard = group.grads.shard
             full = torch.empty(group.layout.padded_numel, dtype=shard.dtype)
             if group.layout.world_size > 1:
                 dist.all_gather_into_tensor(full, shard.contiguous())

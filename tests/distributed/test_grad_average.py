@@ -85,7 +85,7 @@ def _reduced_gradients(case: dict[str, Any]) -> dict[str, Any]:
         for group in unit.groups:
             groups.append({"slots": [(s.name, s.offset, s.numel) for s in group.layout.slots],
                            "world_size": group.layout.world_size,
-                           "shard": group.grad_shard.tolist()})
+                           "shard": group.grads.shard.tolist()})
     return {"groups": groups}
 
 

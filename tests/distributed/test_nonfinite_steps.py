@@ -76,16 +76,16 @@ def _digest(engine: Any) -> str:
     nvme = engine.optimizer.nvme
     for unit in engine.units:
         for group in unit.groups:
-            add(group.shard)
-            if nvme is not None and group.nvme_index is not None:
+            add(group.storage.shard)
+            if nvme is not None and group.master_state.nvme_index is not None:
                 for state in ("master", "exp_avg", "exp_avg_sq"):
-                    for tile in nvme.iter_tiles(group.nvme_index, state):
+                    for tile in nvme.iter_tiles(group.master_state.nvme_index, state):
                         add(tile)
-                digest.update(str(nvme.steps[group.nvme_index]).encode())
+                digest.update(str(nvme.steps[group.master_state.nvme_index]).encode())
                 continue
-            if group.master is not None:
-                add(group.master)
-                for key, value in sorted(engine.optimizer.inner.state.get(group.master, {}).items()):
+            if group.master_state.tensor is not None:
+                add(group.master_state.tensor)
+                for key, value in sorted(engine.optimizer.inner.state.get(group.master_state.tensor, {}).items()):
                     add(value) if isinstance(value, torch.Tensor) else digest.update(f"{key}={value}".encode())
     return digest.hexdigest()
 

@@ -60,7 +60,8 @@ def _next_step_params(engine: Any) -> list[list[float]]:
 
 def _steps(engine: Any) -> dict[str, Any]:
     state = engine.optimizer.inner.state
-    return {g.label: int(state[g.master]["step"]) for u in engine.units for g in u.groups if g.master in state}
+    return {g.label: int(state[g.master_state.tensor]["step"])
+            for u in engine.units for g in u.groups if g.master_state.tensor in state}
 
 
 def _save(root: str, name: str, small_every_step: bool, torch_optimizer: bool = False) -> tuple[str, dict[str, Any]]:

@@ -48,7 +48,7 @@ def _grads(engine: Any) -> dict[str, list[float]]:
     for unit in engine.units:
         for group in unit.trainable_groups:
             for slot in group.layout.slots:
-                found[slot.name] = slot.view_in(group.grad_shard).reshape(-1).tolist()
+                found[slot.name] = slot.view_in(group.grads.shard).reshape(-1).tolist()
     return found
 
 

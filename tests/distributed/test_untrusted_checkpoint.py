@@ -115,10 +115,10 @@ def _state_digest(engine: Any, rng: bool = True) -> str:
     inner = engine.optimizer.inner
     for unit in engine.units:
         for group in unit.groups:
-            for tensor in (group.shard, group.master):
+            for tensor in (group.storage.shard, group.master_state.tensor):
                 if tensor is not None:
                     digest.update(_tensor_bytes(tensor))
-            state = inner.state.get(group.master, {}) if group.master is not None else {}
+            state = inner.state.get(group.master_state.tensor, {}) if group.master_state.tensor is not None else {}
             for key in sorted(state):
                 value = state[key]
                 digest.update(f"{key} {type(value).__name__} {getattr(value, 'dtype', '')}".encode())

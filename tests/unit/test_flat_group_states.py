@@ -76,7 +76,7 @@ def test_a_frozen_group_has_no_gradients_and_no_master() -> None:
     group = FlatParamGroup("frozen#0", list(model.named_parameters()), GroupKind(False, False, 0), Communicator(),
                            ShardingPolicy.for_stage(2), torch.float32, torch.device("cpu"))
     assert group.grads.state is GradBufferState.EMPTY and group.grads.start_reduce(torch.float32, False) is None
-    assert group.master_state.placement is MasterPlacement.NONE and group.master is None
+    assert group.master_state.placement is MasterPlacement.NONE and group.master_state.tensor is None
 
 
 @pytest.mark.parametrize(("dtype", "placement"), [(torch.float32, MasterPlacement.ALIASED),
@@ -84,7 +84,7 @@ def test_a_frozen_group_has_no_gradients_and_no_master() -> None:
 def test_the_master_is_placed_by_precision(dtype: torch.dtype, placement: MasterPlacement) -> None:
     group = _group(2, dtype)
     assert group.master_state.placement is placement
-    assert group.master_is_compute_shard == (placement is MasterPlacement.ALIASED)
+    assert group.master_state.is_compute_shard == (placement is MasterPlacement.ALIASED)
 
 
 def test_the_nvme_store_is_bound_once_before_use() -> None:

@@ -113,7 +113,7 @@ def test_a_flat_group_shards_what_its_policy_says() -> None:
     g = group(replicated)
     # Nothing sharded: the all-reduce's gradient buffer lives for the run and, in fp32, is the
     # gradient the optimizer reads.
-    assert g.grads.has_grads() and g.master is not None and g.master.grad is g.grads.full
+    assert g.grads.has_grads() and g.master_state.tensor is not None and g.master_state.tensor.grad is g.grads.full
 
 
 def _engine(monkeypatch: pytest.MonkeyPatch, **changes: object):

@@ -58,5 +58,5 @@ def test_offloaded_clipped_step_moves_the_host_norm_to_the_compute_device(no_lau
         engine.backward(S.model_loss(engine, "gpt2", ids))
         engine.step()
     assert engine.get_global_grad_norm() > 0
-    on_host = [is_host_store(g.grad_shard) for u in engine.units for g in u.groups if g.grad_shard is not None]
+    on_host = [is_host_store(g.grads.shard) for u in engine.units for g in u.groups if g.grads.shard is not None]
     assert on_host and all(on_host)

@@ -324,7 +324,7 @@ def initialize(
     shard_groups = [dict(h, params=[]) for h in hyper]
     trainable = [g for u in units for g in u.groups if g.kind.trainable]
     for group in trainable:
-        shard_groups[group.kind.param_group_index]["params"].append(group.master)
+        shard_groups[group.kind.param_group_index]["params"].append(group.master_state.tensor)
     # Each object is built with what it needs, in dependency order; the two pieces that need the
     # object using them (the whole-parameter step's optimizer over the masters it makes, the
     # overlapped step over the ZeroOptimizer's step pipeline) are given as factories their owner calls.

@@ -7,7 +7,7 @@ integrations call when they save a model folder, load one back, or hand a model 
 A model folder is written from the fp32 master weights unless the config asks for 16-bit
 (``zero_optimization.stage3_gather_16bit_weights_on_model_save``), in which case the compute copy
 (bf16 / fp16, or fp32 when the run computes in fp32) is saved, as DeepSpeed does. With fp32
-compute the master *is* the compute shard (see [Note: master aliasing] in flat_group.py), so
+compute the master *is* the compute shard (see [Note: master aliasing] in master_state.py), so
 both choices give the same bytes. With 16-bit compute the fp32 masters are all-gathered group by
 group; frozen parameters have no master and are saved from their compute copy.
 """
@@ -110,13 +110,13 @@ def save_dtype(engine: ZeroEngine) -> torch.dtype:
 
 def _master_flat(engine: ZeroEngine, group: FlatParamGroup) -> torch.Tensor | None:
     """The group's fp32 master as one full flat tensor, or None when the compute copy is exact."""
-    if group.master is None or group.master_is_compute_shard:
+    if group.master_state.tensor is None or group.master_state.is_compute_shard:
         return None  # frozen, or fp32 compute: the master is the compute copy
-    master = group.read_master()  # from the NVMe files under offload_optimizer nvme
+    master = group.master_state.read()  # from the NVMe files under offload_optimizer nvme
     if group.layout.world_size == 1:
         return master  # stage 0: the master is already full
     # An offloaded master lives on the host: the all-gather runs on the compute device.
-    master = to_compute(master, group.full.device)
+    master = to_compute(master, group.storage.full.device)
     full = torch.empty(group.layout.padded_numel, dtype=torch.float32, device=master.device)
     engine.comm.all_gather_into(full, master, label=f"{group.label}.export")
     return full
@@ -203,9 +203,9 @@ def _load_master_exactly(
 ) -> None:
     """A separate fp32 master (16-bit compute) takes the state dict's values, not the 16-bit
     rounding that ``gathered_parameters`` refreshed it from."""
-    if group.master is None or group.master_is_compute_shard:
+    if group.master_state.tensor is None or group.master_state.is_compute_shard:
         return
-    master = group.read_master()  # a copy under offload_optimizer nvme, written back below
+    master = group.master_state.read()  # a copy under offload_optimizer nvme, written back below
     lo, hi = group.layout.shard_range(group.comm.rank) if group.layout.world_size > 1 else (0, master.numel())
     for slot, param in zip(group.layout.slots, group.params):
         start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
@@ -214,7 +214,7 @@ def _load_master_exactly(
             continue
         flat = source.reshape(-1)[start - slot.offset : end - slot.offset]
         master[start - lo : end - lo].copy_(flat.to(master.device, torch.float32))
-    group.write_master(master)
+    group.master_state.write(master)
 
 
 def release_engine(engine: ZeroEngine) -> nn.Module:

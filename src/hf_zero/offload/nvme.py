@@ -177,7 +177,7 @@ class NvmeOptimizerStore:
              hyper: dict[str, Any], grad_scale: float, clip_coef: float,
              usage: tuple[list[Any], list[bool]] | None = None) -> None:
         """One Adam step of group ``index``, tile by tile; each updated master tile goes to
-        ``write_compute(tile, start)`` (the group's ``write_compute_shard``). ``usage``: the
+        ``write_compute(tile, start)`` (the group's ``storage.write_shard``). ``usage``: the
         shard's segments and which parameters some rank used (all, when None); tiles holding only
         unused parameters are neither read nor written."""
         from hf_zero.engine.sharding.param_usage import Segment, advanced_steps, step_runs

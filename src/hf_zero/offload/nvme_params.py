@@ -4,7 +4,7 @@ pool of host buffers.
 [Note: NVMe parameter offload]
 Each sharded stage-3 flat group of a rank keeps its compute shard (compute dtype, one shard
 long) in ``<nvme_path>/hf_zero-rank<r>-pid<pid>/params/<group label>.<dtype>``; the group's
-``shard`` attribute is then an empty placeholder. The first groups whose shards fit in
+``storage.shard`` is then an empty placeholder. The first groups whose shards fit in
 ``max_in_cpu`` elements (per rank, in model order) stay in host memory instead, exactly as with
 ``offload_param.device: "cpu"``.
 
@@ -114,7 +114,7 @@ class NvmeShard:
         return self.numel * self.dtype.itemsize
 
     def placeholder(self) -> torch.Tensor:
-        """What the group keeps as its ``shard`` while the values are in the file."""
+        """What the group keeps as its ``storage.shard`` while the values are in the file."""
         return torch.empty(0, dtype=self.dtype)
 
     @property

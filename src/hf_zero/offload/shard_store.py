@@ -11,7 +11,7 @@ does not branch on offload flags:
 | :class:`HostShard` | host memory (pinned with a GPU) | ``offload_param: cpu``, and NVMe shards within ``max_in_cpu`` |
 | ``NvmeShard`` (hf_zero.offload.nvme_params) | a file, read through a bounded buffer pool | ``offload_param: nvme`` |
 
-- ``tensor``: what the group holds as its ``shard`` (the values, or an empty placeholder for a
+- ``tensor``: what the group holds as its ``storage.shard`` (the values, or an empty placeholder for a
   file).
 - ``gather_input(device, reclaim)``: the tensor the all-gather sends, on the compute device,
   and the completion of its copy there (the all-gather waits on it: ``after=``);

@@ -60,7 +60,7 @@ class InnerStep:
 
     def hyper_of(self, group: FlatParamGroup) -> dict[str, Any]:
         """The param group (hyperparameters) ``group``'s master steps in."""
-        return next(h for h in self.inner.param_groups if any(p is group.master for p in h["params"]))
+        return next(h for h in self.inner.param_groups if any(p is group.master_state.tensor for p in h["params"]))
 
     def refresh_compute_copies(self, groups: list[FlatParamGroup]) -> None:
         for group in groups:
@@ -70,10 +70,10 @@ class InnerStep:
     def refresh_compute_copy(self, group: FlatParamGroup) -> None:
         """Write the updated master into the compute shard, unless the kernel already did (its
         ``out``) or the master is the compute shard."""
-        master = group.master
+        master = group.master_state.tensor
         written = getattr(self.inner, "compute_copy", {})
-        if master is not None and id(master) not in written and master.data_ptr() != group.shard.data_ptr():
-            group.write_compute_shard(master)
+        if master is not None and id(master) not in written and master.data_ptr() != group.storage.shard.data_ptr():
+            group.storage.write_shard(master)
 
 
 class FlatAdamInnerStep(InnerStep):
@@ -86,7 +86,7 @@ class FlatAdamInnerStep(InnerStep):
         self.refresh_compute_copies(groups)
 
     def apply_group(self, group: FlatParamGroup) -> None:
-        self.inner.step_master(group.master, self.hyper_of(group))
+        self.inner.step_master(group.master_state.tensor, self.hyper_of(group))
         self.refresh_compute_copy(group)
 
 
@@ -99,8 +99,8 @@ class TorchInnerStep(InnerStep):
         factor = clip_coef / scale
         if factor != 1.0:
             for group in groups:
-                if group.grad_shard is not None:
-                    group.grad_shard.mul_(factor)
+                if group.grads.shard is not None:
+                    group.grads.shard.mul_(factor)
         self.inner.step()
         self.refresh_compute_copies(groups)
 
@@ -126,7 +126,7 @@ class NvmeInnerStep(InnerStep):
 
     def _step(self, groups: list[FlatParamGroup], scale: float, clip_coef: float) -> None:
         for group in groups:
-            if group.grad_shard is None or group.nvme_index is None or not group.used_in_step:
+            if group.grads.shard is None or group.master_state.nvme_index is None or not group.used_in_step:
                 continue
             self._step_group(group, scale, clip_coef)
 
@@ -134,8 +134,9 @@ class NvmeInnerStep(InnerStep):
         self._step_group(group, 1.0, 1.0)
 
     def _step_group(self, group: FlatParamGroup, scale: float, clip_coef: float) -> None:
-        self.nvme.step(group.nvme_index, group.grad_shard, group.write_compute_shard, self.hyper_of(group),
-                       grad_scale=scale, clip_coef=clip_coef, usage=(group.segments, group.params_used))
+        self.nvme.step(group.master_state.nvme_index, group.grads.shard, group.storage.write_shard,
+                       self.hyper_of(group), grad_scale=scale, clip_coef=clip_coef,
+                       usage=(group.segments, group.params_used))
 
 
 @contextlib.contextmanager
@@ -149,7 +150,7 @@ def _skipping_unused(groups: list[FlatParamGroup], used: list[list[bool]], inner
     hidden, kept = [], []
     for group, group_used in zip(groups, used):
         group.params_used = group_used
-        master = group.master
+        master = group.master_state.tensor
         if master is None:
             continue
         if not any(group_used) and master.grad is not None:
@@ -168,7 +169,7 @@ def _skipping_unused(groups: list[FlatParamGroup], used: list[list[bool]], inner
 
 def _unused_elements(group: FlatParamGroup, inner: torch.optim.Optimizer) -> list[tuple[str, int, torch.Tensor]]:
     """Copies of the unused parameters' elements of the master and of its element-wise state."""
-    master = group.master
+    master = group.master_state.tensor
     tensors = {"": master, **{k: v for k, v in inner.state.get(master, {}).items()
                               if isinstance(v, torch.Tensor) and v.shape == master.shape}}
     return [(key, lo, tensor[lo:hi].clone()) for key, tensor in tensors.items()
@@ -176,7 +177,7 @@ def _unused_elements(group: FlatParamGroup, inner: torch.optim.Optimizer) -> lis
 
 
 def _put_back(group: FlatParamGroup, inner: torch.optim.Optimizer, saved: list[tuple[str, int, torch.Tensor]]) -> None:
-    master = group.master
+    master = group.master_state.tensor
     state = inner.state.get(master, {})
     with torch.no_grad():
         for key, lo, values in saved:

@@ -235,13 +235,13 @@ def _bind_flat_adam(inner: ZeroAdam, groups: list[FlatParamGroup]) -> None:
     """Tell the fused Adam which parameters of each master a step updates and which compute
     shard its kernel writes in the same pass."""
     for g in groups:
-        if g.master is not None:
-            inner.usage[id(g.master)] = g
+        if g.master_state.tensor is not None:
+            inner.usage[id(g.master_state.tensor)] = g
         # The kernel writes the compute copy in the same pass, unless the master is on the
         # host (offloaded) or the shard in a file: then it is written after the step.
-        separate = g.master is not None and g.master.data_ptr() != g.shard.data_ptr()
-        if separate and not g.offload.optimizer_on_host and g.nvme_shard is None and not g.shard_on_host:
-            inner.compute_copy[id(g.master)] = g.shard
+        separate = g.master_state.tensor is not None and g.master_state.tensor.data_ptr() != g.storage.shard.data_ptr()
+        if separate and not g.offload.optimizer_on_host and g.storage.nvme_shard is None and not g.storage.shard_on_host:
+            inner.compute_copy[id(g.master_state.tensor)] = g.storage.shard
 
 
 def _choose_inner_step(inner: torch.optim.Optimizer, nvme: NvmeOptimizerStore | None,

@@ -92,8 +92,8 @@ class OverlappedOffloadStep:
         inf/nan (then it is left unchanged)."""
         from hf_zero.kernels import nonfinite_and_sqnorm
 
-        group.land_host_grads()  # the host waits for the copy here, on the worker, not in the backward
-        found, sqnorm = nonfinite_and_sqnorm([group.grad_shard])
+        group.grads.land_host_grads()  # the host waits for the copy here, on the worker, not in the backward
+        found, sqnorm = nonfinite_and_sqnorm([group.grads.shard])
         if bool(found):
             return float(sqnorm), True
         self.undo[id(group)] = (group, self._snapshot(group))
@@ -112,7 +112,7 @@ class OverlappedOffloadStep:
             if id(group) in results:  # stepped on the worker: this rank used every parameter
                 continue
             group.params_used = group_used
-            if group.grad_shard is not None and any(group_used):
+            if group.grads.shard is not None and any(group_used):
                 results[id(group)] = self.step_group(group)
         sqnorm = sum(sq for sq, _ in results.values())
         nonfinite = any(found for _, found in results.values())
@@ -130,11 +130,11 @@ class OverlappedOffloadStep:
         on the device: the undo copies must not cost device memory)."""
         nvme = self._nvme
         if nvme is not None:
-            return nvme.snapshot(group.nvme_index)
+            return nvme.snapshot(group.master_state.nvme_index)
         pin = group.offload.pin_memory
-        state = self.inner_step.inner.state.get(group.master) or {}
+        state = self.inner_step.inner.state.get(group.master_state.tensor) or {}
         saved = {k: host_snapshot(v.detach(), pin) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
-        return host_snapshot(group.master.detach(), pin), saved
+        return host_snapshot(group.master_state.tensor.detach(), pin), saved
 
     @property
     def _nvme(self) -> NvmeOptimizerStore | None:
@@ -146,21 +146,21 @@ class OverlappedOffloadStep:
         nvme = self._nvme
         for group, saved in self.undo.values():
             if nvme is not None:
-                nvme.restore(group.nvme_index, saved, group.write_compute_shard)
+                nvme.restore(group.master_state.nvme_index, saved, group.storage.write_shard)
                 continue
             master, state = saved
-            group.master.copy_(master)
-            device_state = inner.state.get(group.master) or {}
+            group.master_state.tensor.copy_(master)
+            device_state = inner.state.get(group.master_state.tensor) or {}
             for key, value in state.items():  # back where the optimizer keeps each tensor
                 where = device_state.get(key)
                 if isinstance(value, torch.Tensor) and isinstance(where, torch.Tensor):
                     state[key] = value.to(where.device)
             if state:
-                inner.state[group.master] = state
+                inner.state[group.master_state.tensor] = state
             else:
-                inner.state.pop(group.master, None)
-            if group.master.data_ptr() != group.shard.data_ptr():
-                group.write_compute_shard(group.master)
+                inner.state.pop(group.master_state.tensor, None)
+            if group.master_state.tensor.data_ptr() != group.storage.shard.data_ptr():
+                group.storage.write_shard(group.master_state.tensor)
         self.drop()
 
     def drop(self) -> None:

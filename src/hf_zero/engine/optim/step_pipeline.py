@@ -98,12 +98,12 @@ class StepPipeline:
     @property
     def device(self) -> torch.device:
         """The compute device: where collectives take their tensors."""
-        return self.groups[0].full.device if self.groups else torch.device("cpu")
+        return self.groups[0].storage.full.device if self.groups else torch.device("cpu")
 
     def run(self) -> None:
         """The plain step: measure, then roll back or apply and commit."""
         for group in self.groups:
-            group.land_host_grads()  # [Note: gradients copied to the host]
+            group.grads.land_host_grads()  # [Note: gradients copied to the host]
         scale = self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
         measured = self.all_ranks_norm(self.local_norm_terms())
         if measured.nonfinite:
@@ -129,7 +129,7 @@ class StepPipeline:
         from hf_zero.kernels import nonfinite_and_sqnorm
 
         terms = torch.zeros(2, dtype=torch.float32, device=self.device)
-        shards = [g.grad_shard for g in self.groups if g.grad_shard is not None]
+        shards = [g.grads.shard for g in self.groups if g.grads.shard is not None]
         for host in (False, True):
             group_shards = [s for s in shards if is_host_store(s) == host]
             if group_shards:
@@ -144,7 +144,7 @@ class StepPipeline:
         no rank used] in hf_zero.engine.sharding.param_usage; torch's norm skips a None gradient, and an
         unused parameter's gradient here is zeros, so the norm is the same)."""
         assert_not_host(local, "the grad-norm all-reduce")  # packed below: the check must see it here
-        flags = [float(received) for g in self.groups for received in g.grads_received]
+        flags = [float(received) for g in self.groups for received in g.grads.received]
         packed = torch.cat([local, torch.tensor(flags, dtype=torch.float32, device=self.device)])
         if not self.policy.shards_optimizer_state and self.comm.rank != 0:
             packed[:2] = 0  # all-reduced gradients are identical on every rank: count them once
@@ -190,7 +190,7 @@ class StepPipeline:
 
     def zero_grad(self) -> None:
         for group in self.groups:
-            group.zero_grad_shard()
+            group.grads.zero_shard()
 
     def _nonfinite_step(self) -> None:
         """A step whose gradients hold inf/nan on some rank, in fp32/bf16 (no loss scaler).

@@ -65,7 +65,7 @@ class WholeParamStep:
         self.owned: dict[int, list[tuple[ParamSlot, torch.Tensor]]] = {id(g): [] for g in groups}
         self.param_groups: list[dict[str, Any]] = [dict(h, params=[]) for h in hyper]
         for group in groups:
-            full = self._gather(group, group.master, "whole_param_master")
+            full = self._gather(group, group.master_state.tensor, "whole_param_master")
             for (g, slot), owner in zip(slots, owners, strict=True):
                 if g is group and (owner == comm.rank or world == 1):
                     master = slot.view_in(full).clone()
@@ -86,7 +86,7 @@ class WholeParamStep:
         """Copy every group's flat fp32 master into the owners' full-shape masters, after a
         checkpoint load wrote the flat masters. A collective: every rank calls it, in the same order."""
         for group in self.groups:
-            full = self._gather(group, group.master, "whole_param_master")
+            full = self._gather(group, group.master_state.tensor, "whole_param_master")
             for slot, master in self.owned[id(group)]:
                 master.copy_(slot.view_in(full))
 
@@ -106,7 +106,7 @@ class WholeParamStep:
         """Step every owned parameter whole with its reduced gradient times ``factor`` (clip
         coefficient over loss scale), then write every rank's master shard."""
         for group in self.groups:
-            full_grad = self._gather(group, group.grad_shard, "whole_param_grad")
+            full_grad = self._gather(group, group.grads.shard, "whole_param_grad")
             used = dict(zip((slot.name for slot in group.layout.slots), group.params_used))
             for slot, master in self.owned[id(group)]:
                 # A parameter no rank used is not stepped ([Note: parameters no rank used]).
@@ -121,7 +121,8 @@ class WholeParamStep:
             if group.layout.world_size > 1:
                 self.comm.all_reduce_(updated, label="whole_param_update")
             lo, hi = group.shard_range
-            group.write_master(updated[lo:hi].to(group.master.device) if group.master is not None else updated[lo:hi])
+            own = group.master_state
+            own.write(updated[lo:hi].to(own.tensor.device) if own.tensor is not None else updated[lo:hi])
         for masters in self.owned.values():
             for _, master in masters:
                 master.grad = None

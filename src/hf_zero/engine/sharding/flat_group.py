@@ -21,7 +21,7 @@ from hf_zero.engine.sharding.param_source import ParamSource
 from hf_zero.engine.sharding.param_storage import ParamStorage
 from hf_zero.engine.sharding.param_usage import shard_segments
 from hf_zero.engine.policy import ShardingPolicy
-from hf_zero.offload import NvmeShard, OffloadSettings
+from hf_zero.offload import OffloadSettings
 from hf_zero.partition import FlatLayout, build_flat_layout
 
 if TYPE_CHECKING:  # unit.py builds the groups: imports this module
@@ -48,8 +48,7 @@ class FlatParamGroup:
     shard outside ``storage.unshard`` / ``storage.reshard`` (``storage.sharded_between_uses``).
 
     The work is its parts': ``storage`` (:class:`ParamStorage`), ``grads`` (:class:`GradBuffer`)
-    and ``master_state`` (:class:`MasterState`). The one-line members at the end delegate to
-    them for the optimizer's modules.
+    and ``master_state`` (:class:`MasterState`); callers use the parts directly.
     """
 
     def __init__(
@@ -121,57 +120,3 @@ class FlatParamGroup:
     def used_in_step(self) -> bool:
         """Some rank used some parameter of the group in this step: it is stepped."""
         return any(self.params_used)
-
-    # ----------------------------------------------------------------- delegates
-    # For optimizer.py, overlap_step.py, whole_param_step.py and integrations/_weights.py, which
-    # read the group whole; other callers use the parts.
-    @property
-    def master(self) -> torch.Tensor | None:
-        return self.master_state.tensor
-
-    @property
-    def master_is_compute_shard(self) -> bool:
-        return self.master_state.is_compute_shard
-
-    @property
-    def nvme_index(self) -> int | None:
-        return self.master_state.nvme_index
-
-    def read_master(self) -> torch.Tensor | None:
-        return self.master_state.read()
-
-    def write_master(self, values: torch.Tensor) -> None:
-        self.master_state.write(values)
-
-    @property
-    def full(self) -> torch.Tensor:
-        return self.storage.full
-
-    @property
-    def shard(self) -> torch.Tensor:
-        return self.storage.shard
-
-    @property
-    def shard_on_host(self) -> bool:
-        return self.storage.shard_on_host
-
-    @property
-    def nvme_shard(self) -> NvmeShard | None:
-        return self.storage.nvme_shard
-
-    def write_compute_shard(self, values: torch.Tensor, start: int = 0) -> None:
-        self.storage.write_shard(values, start)
-
-    @property
-    def grad_shard(self) -> torch.Tensor | None:
-        return self.grads.shard
-
-    @property
-    def grads_received(self) -> list[bool]:
-        return self.grads.received
-
-    def land_host_grads(self) -> None:
-        self.grads.land_host_grads()
-
-    def zero_grad_shard(self) -> None:
-        self.grads.zero_shard()

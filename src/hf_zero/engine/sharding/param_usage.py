@@ -7,7 +7,7 @@ gradient None exactly when no rank used the parameter. A flat group holds severa
 hf_zero keeps the same decision per parameter, not per group:
 
 - Each group records which of its parameters got a gradient on this rank since the last step
-  (``FlatParamGroup.grads_received``, set by the post-accumulate-grad hook: a parameter used in any
+  (``FlatParamGroup.grads.received``, set by the post-accumulate-grad hook: a parameter used in any
   micro-step of the accumulation counts as used). The step's one all-reduce (the norm and the
   non-finite flag) carries these flags too, a few bytes per parameter, so every rank learns which
   parameters *some* rank used (``params_used``).
