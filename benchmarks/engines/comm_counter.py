@@ -8,9 +8,9 @@ unit hf_zero's ``engine.comm_stats()`` uses and the ZeRO paper's 2Ψ / 3Ψ volum
 - reduce-scatter: the full input being reduced;
 - all-reduce, broadcast, reduce: the tensor;
 - all-to-all: the input; gather / scatter: world_size x the local tensor;
-- a point-to-point send (``send`` / ``isend``): the tensor sent. hf_zero's reduce-scatter on
-  gloo is such an exchange ([Note: reduce-scatter on gloo]): the wrapper sees (N-1)/N of the
-  logical size its engine counter reports, in N-1 sends.
+- a point-to-point send (``send`` / ``isend``): the tensor sent. hf_zero's reduce-scatter and
+  all-gather on gloo are such exchanges ([Note: reduce-scatter on gloo], [Note: all-gather on
+  gloo]): the wrapper sees (N-1)/N of the logical size its engine counter reports, in N-1 sends.
 
 This is neither the input size (a 2-rank all-gather's input is half its output) nor wire
 traffic: a ring all-reduce moves about twice what a reduce-scatter of the same tensor does, and

@@ -87,13 +87,15 @@ def test_counting_is_consistent(rows: list[dict]) -> None:
     assert hf_zero["comm_counted_by"] == "engine.comm_stats()"
     engine = {op: b for op, b in hf_zero["comm_bytes_per_step_by_op_rank0"].items()}
     wrapper = hf_zero["comm_bytes_wrapper_per_step_by_kind_rank0"]
-    # The wrapper also sees the phase check-ins ([Note: phases in step]), which the engine does not
+    # On gloo the engine's reduce-scatters and all-gathers are exchanges ([Note: reduce-scatter on
+    # gloo], [Note: all-gather on gloo]): at world size 2 each rank sends the half of every gradient
+    # buffer it does not own and its own half of every gathered unit. What the wrapper still sees
+    # as all-gathers are the phase check-ins ([Note: phases in step]), which the engine does not
     # count as traffic: three int64s per rank at each stage-3 forward, backward and optimizer step.
     check_ins = 3 * 3 * 8 * 2
-    assert wrapper["all_gather"] == engine["all_gather"] + check_ins and wrapper["all_reduce"] == engine["all_reduce"]
-    # On gloo the reduce-scatter is an exchange ([Note: reduce-scatter on gloo]): at world size 2
-    # each rank sends the half of every gradient buffer it does not own.
-    assert "reduce_scatter" not in wrapper and 2 * wrapper["send"] == engine["reduce_scatter"]
+    assert wrapper["all_gather"] == check_ins and wrapper["all_reduce"] == engine["all_reduce"]
+    assert "reduce_scatter" not in wrapper
+    assert 2 * wrapper["send"] == engine["reduce_scatter"] + engine["all_gather"] > 0
     # DDP holds params + grads + two Adam moments of every parameter (+ step counters).
     assert 16 * psi <= ddp["model_state_bytes_per_rank"][0] <= 16 * psi + 4096
     assert rows[0]["ratios"]["model_state_vs_fsdp2"] is None  # no FSDP2 in this run
