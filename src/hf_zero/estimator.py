@@ -44,8 +44,8 @@ Stage 3 is measured (tests/distributed/test_simulated_scale.py, within 10%): see
 working memory].
 
 [Note: stage-3 working memory]
-Stage 3's figure is the engine's schedule ([Note: the unit protocol] and [Note: reuse distance]
-in engine/schedule/hooks.py) replayed on unit sizes, c bytes per element, and its peak taken over:
+Stage 3's figure is the engine's schedule ([Note: the unit protocol] in engine/schedule/hooks.py and
+[Note: reuse distance] in engine/schedule/gather_plan.py) replayed on unit sizes, c bytes per element, and its peak taken over:
 - the forward: every gathered unit (the root for the whole forward, the unit running, the
   prefetched ones, those kept for their backward by ``stage3_max_reuse_distance`` within
   ``stage3_max_live_parameters``);
@@ -54,7 +54,7 @@ in engine/schedule/hooks.py) replayed on unit sizes, c bytes per element, and it
   buffer not yet reduced (the unit's own; each earlier unit's until its bucket's reduction
   finishes, at most ``BUCKETS_IN_FLIGHT`` buckets in flight, and the root's for the whole
   backward, because its bucket is the last of the fixed order; a bucket larger than the next one
-  is finished before the next goes out: [Note: gradients in flight] in engine/schedule/hooks.py), plus
+  is finished before the next goes out: [Note: gradients in flight] in engine/schedule/reduction_flight.py), plus
   autograd's gradient of the unit's largest parameter before it is added into its ``.grad`` view,
   unless its group takes autograd's gradient as it is ([Note: a gradient autograd hands over] in
   engine/sharding/grad_buffer.py: a sharded group of one unpadded parameter, as an embedding or a head).
@@ -259,7 +259,7 @@ class Stage3Replay:
             self.gathered[unit.name] = unit.gathered
 
     def prefetch(self, order: list[UnitSizes], backward: bool) -> None:
-        """``UnitProtocol._prefetch``: the next unit always, more while the bucket holds them,
+        """``GatherPlan.prefetch``: the next unit always, more while the bucket holds them,
         none past the live-parameter cap."""
         budget, first, live = self.settings.stage3_prefetch_bucket_size, True, self.live()
         if budget <= 0:
@@ -276,7 +276,7 @@ class Stage3Replay:
                 self.gather(unit)
 
     def keep_for_backward(self, unit: UnitSizes) -> bool:
-        """``UnitProtocol._keep_for_backward`` ([Note: reuse distance])."""
+        """``GatherPlan.keeps_for_backward`` ([Note: reuse distance])."""
         s = self.settings
         return (s.stage3_max_reuse_distance > 0 and unit.gathered > 0 and unit.reads_params
                 and 2 * self.after[unit.name] < s.stage3_max_reuse_distance
@@ -314,7 +314,7 @@ class Stage3Replay:
             done.add(unit.name)
             while buckets and all(name in done for name, _ in buckets[0]):
                 new = sum(n for _, n in buckets.pop(0))
-                # [Note: gradients in flight] in engine/schedule/hooks.py
+                # [Note: gradients in flight] in engine/schedule/reduction_flight.py
                 while in_flight and (len(in_flight) >= BUCKETS_IN_FLIGHT
                                      or sum(in_flight) > (BUCKETS_IN_FLIGHT - 1) * new):
                     self.grads_held -= in_flight.pop(0)

@@ -1,5 +1,5 @@
 """Which gradients a stage-3 backward still holds in flight ([Note: gradients in flight] in
-hf_zero/engine/schedule/hooks.py), seen from inside the backward of one rank of a fake world of 4 (torch's
+hf_zero/engine/schedule/reduction_flight.py), seen from inside the backward of one rank of a fake world of 4 (torch's
 fake process group). On torch 2.13 its reductions never report completion, so every bucket stays
 in flight until the engine's bound finishes it, the most a real network could ever leave there,
 and the large bucket finished early is the rule's doing. On torch 2.15 they report completion at

@@ -67,7 +67,7 @@ class ShardingPolicy:
     persistence_threshold: int = 0
     # ``stage3_prefetch_bucket_size``: elements gathered ahead of the schedule. 0: no prefetch.
     prefetch_numel: int = 0
-    # ``stage3_max_reuse_distance``: [Note: reuse distance] in hooks.py. 0: never kept.
+    # ``stage3_max_reuse_distance``: [Note: reuse distance] in gather_plan.py. 0: never kept.
     max_reuse_numel: int = 0
 
     def __post_init__(self) -> None:

@@ -115,17 +115,6 @@ DeepSpeed gathers a module's external parameters:
   guard until the gather has completed, not only until the buffer exists, so a read that no
   module hook waited for never sees the buffer's previous bytes.
 
-[Note: gradients in flight]
-A bucket in flight holds its units' full gradients until its reduction finishes. Two buckets
-in flight overlap a reduction with the next unit's backward, but the bound counts buckets, not
-bytes: an untied head's gradient (1002 MiB per rank at the Llama-3-8B shape in bf16, 2.4x a
-layer's) stayed in flight through the next layer's backward and, with the fake process group of
-the simulation (torch 2.13: its reductions never report completion), through the embedding's. So under
-stage 3 a bucket going out first finishes the oldest ones while they hold more than
-``BUCKETS_IN_FLIGHT - 1`` times its own bytes: equal layers keep two in flight, a bucket much
-larger than the next is finished before the next goes out. The estimator's replay applies the
-same rule ([Note: stage-3 working memory] in hf_zero/estimator.py).
-
 [Note: units whose backward reads no parameter]
 An embedding lookup's backward scatters the output gradient into rows of the weight's gradient
 from the saved indices; it never reads the weight. A unit that is exactly a ``nn.Embedding``
@@ -136,16 +125,6 @@ Llama with a 32k vocabulary that is the vocabulary's rows (94 MB in fp32 at hidd
 held from the forward to the end of the backward; the decision is a property of the unit, so
 every rank skips the same gathers.
 
-[Note: reuse distance]
-DeepSpeed's ``stage3_max_reuse_distance``: a unit is kept gathered after its forward when its
-next use, its own backward, comes within that many gathered elements. On the forward order, the
-elements gathered between a unit's forward and its backward are twice those of the units after
-it (each runs forward, then backward, before this one's backward). Kept units skip the re-gather,
-so stage 3 moves 2Ψ instead of 3Ψ per step, at the cost of holding those parameters; a unit is
-only kept while the gathered elements stay within ``stage3_max_live_parameters``. Nothing is kept
-without autograd (evaluation) or with a distance of 0. The decision reads the shared schedule's
-state only, so every rank keeps the same units. Whatever is still gathered is freed at the end
-of backward, and before every optimizer step (an update makes a gathered copy stale).
 """
 
 from __future__ import annotations
@@ -158,11 +137,13 @@ from torch.utils.hooks import RemovableHandle
 
 from hf_zero.comm import Communicator
 from hf_zero.engine.sharding.buffer_pool import BufferPool
-from hf_zero.engine.schedule.buckets import PendingBucket, ReduceSchedule, finish_bucket, start_bucket
+from hf_zero.engine.schedule.buckets import ReduceSchedule
+from hf_zero.engine.schedule.gather_plan import GatherPlan
+from hf_zero.engine.schedule.reduction_flight import ReductionFlight
 from hf_zero.engine.sharding.flat_group import FlatParamGroup
 from hf_zero.engine.policy import ShardingPolicy
 from hf_zero.engine.schedule.timers import PhaseTimers
-from hf_zero.engine.schedule.unit import GradState, ParamState, ZeroUnit
+from hf_zero.engine.schedule.unit import GradState, ZeroUnit
 
 
 def _in_backward() -> bool:
@@ -205,17 +186,10 @@ class UnitProtocol:
         self.buffers = buffers
         self.root = units[-1]
         self.policy = policy
-        self.comm = comm
-        self.reduce_dtype = reduce_dtype
         # Without policy.shards_gradients: what micro-steps sum in (fold_grads).
         self.grad_accum_dtype = grad_accum_dtype
-        self.prefetch_numel = policy.prefetch_numel
-        self.max_live_numel = max_live_numel
-        self.max_reuse_numel = policy.max_reuse_numel
         self.timers = timers  # wall_clock_breakdown; None when off
         self.is_boundary = is_boundary
-        # Called with groups whose fp32 gradient shard is final at the accumulation boundary.
-        self.on_grads_final = on_grads_final
         # Raises unless every rank starts the phase named together ([Note: phases in step]);
         # the engine's. With policy.shards_params only: the phases here run collectives only there.
         self.check_in = check_in
@@ -234,11 +208,8 @@ class UnitProtocol:
             self.backward_sizes_ahead.append(ahead)
             ahead = ahead | unit.buffer_sizes_in_backward()
         self.backward_sizes_ahead.reverse()
-        self.numel_after: dict[int, int] = {self.root.index: 0}  # sharded elements after a unit
-        after = 0
-        for unit in reversed(self.forward_order):
-            self.numel_after[unit.index] = after
-            after += unit.sharded_numel
+        # What is gathered ahead, and what stays gathered for its backward.
+        self.gathers = GatherPlan(units, self.backward_order, policy, max_live_numel)
         self.forward_cursor = len(self.forward_order)  # no forward pass open
         self.forward_open = False  # between the root's forward pre-hook and its forward hook
         self.training_pass = False  # the open forward pass runs with autograd
@@ -251,7 +222,8 @@ class UnitProtocol:
         self.backward_open = False
         self.reductions = ReduceSchedule(
             [(u, g) for u in self.backward_order + [self.root] for g in u.trainable_groups], reduce_bucket_numel)
-        self.in_flight: list[PendingBucket] = []
+        # The buckets whose reductions are in flight.
+        self.flight = ReductionFlight(policy, comm, reduce_dtype, is_boundary, on_grads_final)
 
     # ------------------------------------------------------------------ install
     def install(self) -> None:
@@ -375,7 +347,7 @@ class UnitProtocol:
     def _gather_forward(self, unit: ZeroUnit) -> None:
         unit.unshard()
         start = 0 if unit is self.root else self.forward_position[unit.index] + 1
-        self._prefetch(self.forward_order, start, self._live_numel())
+        self.gathers.prefetch(self.forward_order, start, self.gathers.live_numel())
 
     def post_forward(self, unit: ZeroUnit, output: Any) -> None:
         if self.policy.shards_params and not _in_backward():
@@ -394,7 +366,7 @@ class UnitProtocol:
                 tensor.register_hook(self._hook_pre_backward(unit))
 
     def _end_forward(self, unit: ZeroUnit) -> None:
-        if not self._keep_for_backward(unit):
+        if not self.gathers.keeps_for_backward(unit, self.training_pass):
             unit.reshard()
 
     def _end_forward_pass(self) -> None:
@@ -465,10 +437,10 @@ class UnitProtocol:
         if unit.backward_reads_params:  # see [Note: units whose backward reads no parameter]
             unit.unshard()
         if unit is self.root:
-            self._prefetch(self.backward_order, 0, self._live_numel_ahead(0))
+            self.gathers.prefetch(self.backward_order, 0, self.gathers.live_numel_ahead(0))
         else:
             start = self.backward_position[unit.index]
-            self._prefetch(self.backward_order, start + 1, self._live_numel_ahead(start))
+            self.gathers.prefetch(self.backward_order, start + 1, self.gathers.live_numel_ahead(start))
 
     def grad_arrived(self, unit: ZeroUnit, group: FlatParamGroup, index: int) -> None:
         """Parameter ``index`` of ``group`` got its gradient accumulated (post-accumulate-grad
@@ -495,52 +467,7 @@ class UnitProtocol:
         unit.move_grads(GradState.READY)
         if self.policy.shards_gradients or self.is_boundary():  # else at the boundary only
             for bucket in self.reductions.ready_buckets():
-                self._timed("reduce", self._launch, bucket)
-
-    def _launch(self, groups: list[FlatParamGroup]) -> None:
-        """Reduce one bucket (stage 0: all-reduce; else reduce-scatter). Stages 0, 1 and 3 keep
-        at most ``BUCKETS_IN_FLIGHT`` in flight ([Note: the shared schedule]; stages 0-1
-        only in the boundary's backward, as DDP's reducer overlaps its buckets with the rest of
-        the backward); stage 2 with overlap_comm keeps one; otherwise it is done before this
-        returns: ``policy.reductions_in_flight``."""
-        limit = self.policy.reductions_in_flight
-        async_op = limit > 0
-        self._collect_finished()
-        # [Note: gradients in flight]: a bucket larger than the one going out is finished first.
-        new_bytes = sum(g.grads.full_bytes for g in groups)
-        while self.in_flight and (len(self.in_flight) >= max(limit, 1) or (
-                self.policy.shards_params and sum(p.grad_bytes for p in self.in_flight) > (limit - 1) * new_bytes)):
-            self._finish(self.in_flight.pop(0))
-        pending = start_bucket(groups, self.comm, self.reduce_dtype, async_op)
-        for unit in {id(g.owner): g.owner for g in groups}.values():
-            if unit.grad_state is GradState.READY:
-                unit.move_grads(GradState.REDUCING)
-        if pending is None:
-            return
-        if async_op:
-            self.in_flight.append(pending)
-        else:
-            self._finish(pending)
-
-    def _collect_finished(self) -> None:
-        """Finish the reductions in flight that have completed, without waiting."""
-        done = [p for p in self.in_flight if p.is_completed()]
-        for pending in done:
-            self.in_flight.remove(pending)
-            self._finish(pending)
-
-    def _finish_in_flight(self) -> None:
-        while self.in_flight:
-            self._finish(self.in_flight.pop(0))
-
-    def _finish(self, pending: PendingBucket) -> None:
-        finish_bucket(pending)
-        for group in pending.groups:
-            group.owner.group_reduced()
-        if self.on_grads_final is not None and self.is_boundary():
-            # Only groups whose every parameter this rank used: whether another rank used the
-            # rest is known at the step ([Note: parameters no rank used]).
-            self.on_grads_final([g for g in pending.groups if g.grads.shard is not None and g.grads.fully_received])
+                self._timed("reduce", self.flight.launch, bucket)
 
     def finish_backward(self) -> None:
         self.finish_queued = False
@@ -554,8 +481,8 @@ class UnitProtocol:
                     group.grads.fold(self.grad_accum_dtype)
         if self.policy.shards_gradients or self.is_boundary():
             for bucket in self.reductions.remaining():
-                self._timed("reduce", self._launch, bucket)
-            self._timed("reduce", self._finish_in_flight)
+                self._timed("reduce", self.flight.launch, bucket)
+            self._timed("reduce", self.flight.finish_all)
         for unit in self.units:
             if self.policy.shards_params:
                 unit.reshard()
@@ -581,53 +508,3 @@ class UnitProtocol:
             self.read_for_backward.clear()
             self.read_without_grad.clear()
 
-    # ------------------------------------------------------------------ reuse
-    def _keep_for_backward(self, unit: ZeroUnit) -> bool:
-        """Whether ``unit`` stays gathered until its backward: [Note: reuse distance]; always
-        in a pass with autograd when the policy does not reshard after the forward."""
-        if not self.training_pass or not unit.sharded_numel:
-            return False
-        if not unit.backward_reads_params:  # see [Note: units whose backward reads no parameter]
-            return False
-        if not self.policy.reshard_after_forward:
-            return True
-        if self.max_reuse_numel <= 0:
-            return False
-        if 2 * self.numel_after[unit.index] >= self.max_reuse_numel:
-            return False
-        return self._live_numel() <= self.max_live_numel
-
-    def _live_numel(self) -> int:
-        """Gathered (or gathering) elements: in a forward, the same on every rank."""
-        return sum(u.sharded_numel for u in self.units if u.is_unsharded)
-
-    def _live_numel_ahead(self, start: int) -> int:
-        """Gathered elements of the root and of the units from backward position ``start`` on:
-        the part of the backward's state every rank shares (units behind the cursor are freed
-        when this rank's own backward of them ends, at different times on different ranks)."""
-        ahead = self.backward_order[start:] + [self.root]
-        return sum(u.sharded_numel for u in ahead if u.is_unsharded)
-
-    # ------------------------------------------------------------------ prefetch
-    def _prefetch(self, order: list[ZeroUnit], start: int, live: int) -> None:
-        """Start gathering the units of ``order`` from ``start`` on.
-
-        The next unit is always prefetched when prefetching is on (a unit is gathered whole, and
-        DeepSpeed's per-parameter bucket defaults, 0.9 x hidden^2, are smaller than one decoder
-        layer); further units only while the bucket holds them. Nothing is prefetched that would
-        take the gathered elements past ``stage3_max_live_parameters``."""
-        if self.prefetch_numel <= 0:
-            return
-        budget = self.prefetch_numel
-        first = True
-        backward = order is self.backward_order
-        for upcoming in order[start:]:
-            if not upcoming.sharded_numel or (backward and not upcoming.backward_reads_params):
-                continue
-            budget -= upcoming.sharded_numel
-            if (budget < 0 and not first) or live + upcoming.sharded_numel > self.max_live_numel:
-                break
-            first = False
-            if upcoming.param_state is ParamState.SHARDED:
-                live += upcoming.sharded_numel
-                upcoming.unshard(async_op=True)
