@@ -44,7 +44,38 @@ import torch
 import torch.distributed as dist
 
 
-class ExchangeReduceScatter:
+class _Exchange:
+    """Point-to-point messages in flight, all posted at once; :meth:`wait` waits for them and
+    then runs :meth:`_finish` (once)."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self._group = group
+        self._works: list[dist.Work] = []
+        self._done = False
+
+    def _post(self, peer: int, receive_into: torch.Tensor, send: torch.Tensor) -> None:
+        """Receive ``receive_into`` from ``peer`` (a rank of the group) and send it ``send``."""
+        group = self._group
+        global_peer = dist.get_global_rank(group, peer) if group is not None else peer
+        self._works.append(dist.irecv(receive_into, src=global_peer, group=group))
+        self._works.append(dist.isend(send, dst=global_peer, group=group))
+
+    def is_completed(self) -> bool:
+        return self._done or all(w.is_completed() for w in self._works)
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        for work in self._works:
+            work.wait()
+        self._finish()
+        self._done = True
+
+    def _finish(self) -> None:
+        """What the received messages still need once they are in."""
+
+
+class ExchangeReduceScatter(_Exchange):
     """A reduce-scatter in flight as point-to-point sends and receives; :meth:`wait` sums.
 
     The chunk of the lowest-ranked peer is received straight into the output; the other peers'
@@ -53,6 +84,7 @@ class ExchangeReduceScatter:
     chunk to it or it to the second (a + b is b + a exactly), and the rest follow in order."""
 
     def __init__(self, shard: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+        super().__init__(group)
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         chunks = full.view(world, -1)
         self._shard, self._rank, self._world = shard, rank, world
@@ -61,23 +93,12 @@ class ExchangeReduceScatter:
         self._own = own.clone() if _overlaps(own, shard) else own
         peers = [p for p in range(world) if p != rank]
         # Row i holds the chunk from the (i+1)-th peer in rank order; the first goes into the output.
-        self._received = torch.empty((world - 2, shard.numel()), dtype=full.dtype, device=full.device)
-        self._into = [shard, *self._received]
-        self._works: list[dist.Work] = []
+        received = torch.empty((world - 2, shard.numel()), dtype=full.dtype, device=full.device)
+        self._into = [shard, *received]
         for into, peer in zip(self._into, peers):
-            global_peer = dist.get_global_rank(group, peer) if group is not None else peer
-            self._works.append(dist.irecv(into, src=global_peer, group=group))
-            self._works.append(dist.isend(chunks[peer], dst=global_peer, group=group))
-        self._summed = False
+            self._post(peer, into, chunks[peer])
 
-    def is_completed(self) -> bool:
-        return self._summed or all(w.is_completed() for w in self._works)
-
-    def wait(self) -> None:
-        if self._summed:
-            return
-        for work in self._works:
-            work.wait()
+    def _finish(self) -> None:
         # This rank's chunk from every rank, added in rank order: the same order on every run.
         received = iter(self._into)
         ordered = [self._own if r == self._rank else next(received) for r in range(self._world)]
@@ -86,7 +107,6 @@ class ExchangeReduceScatter:
         self._shard.add_(second if first is self._shard else first)
         for part in ordered[2:]:
             self._shard.add_(part)
-        self._summed = True
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -97,29 +117,15 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a_lo < b_lo + b.numel() * b.element_size() and b_lo < a_lo + a.numel() * a.element_size()
 
 
-class ExchangeAllGather:
+class ExchangeAllGather(_Exchange):
     """An all-gather in flight as point-to-point sends and receives ([Note: all-gather on gloo])."""
 
     def __init__(self, output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+        super().__init__(group)
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         chunks = output.view(world, -1)
-        self._works: list[dist.Work] = []
         for peer in range(world):
-            if peer == rank:
-                continue
-            global_peer = dist.get_global_rank(group, peer) if group is not None else peer
-            self._works.append(dist.irecv(chunks[peer], src=global_peer, group=group))
-            self._works.append(dist.isend(shard, dst=global_peer, group=group))
+            if peer != rank:
+                self._post(peer, chunks[peer], shard)
         if chunks[rank].data_ptr() != shard.data_ptr():
             chunks[rank].copy_(shard)
-        self._done = False
-
-    def is_completed(self) -> bool:
-        return self._done or all(w.is_completed() for w in self._works)
-
-    def wait(self) -> None:
-        if self._done:
-            return
-        for work in self._works:
-            work.wait()
-        self._done = True

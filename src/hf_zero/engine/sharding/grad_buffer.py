@@ -126,15 +126,14 @@ class GradBuffer:
             self._allocate(compute_dtype, device, pool_user)
 
     def _allocate(self, compute_dtype: torch.dtype, device: torch.device, pool_user: object) -> None:
+        self.state = GradBufferState.ACCUMULATING
         if not self.policy.shards_optimizer_state:  # all-reduced in place, kept for the run
             self.full = torch.zeros(self.layout.padded_numel, dtype=compute_dtype, device=device)
-            self.state = GradBufferState.ACCUMULATING
         else:
             # Freed at once below, so never written: zeroing it would make every page resident
             # and, through the host allocator, keep a full unit's bytes per group after the load
             # (prepare zeroes it when a backward first needs it).
             self.full = torch.empty(self.layout.padded_numel, dtype=compute_dtype, device=device)
-            self.state = GradBufferState.ACCUMULATING
             self.buffers.register(storage_bytes(self.full), pool_user)
         if not self.policy.shards_optimizer_state and compute_dtype == torch.float32:
             self.shard = self.full  # all-reduced in place, already fp32
@@ -337,16 +336,15 @@ class GradBuffer:
             pending.handle.wait()
         self.state = GradBufferState.ACCUMULATING
         received = pending.received
-        divisor = post_divisor(received.dtype, self.comm.data_parallel_size)
-        if self.policy.shards_optimizer_state and received is self.shard:  # [Note: reducing into the gradient shard]
+        if self.shard.data_ptr() == received.data_ptr():
+            # The collective wrote the gradient shard itself: stage 0's in-place all-reduce, or
+            # [Note: reducing into the gradient shard].
             self.shard_is_zero = False
-            self.release()
-            return
-        if self.shard is not None and self.shard.data_ptr() != received.data_ptr():
-            self.accept_reduced(received, divisor)
-        if self.policy.shards_optimizer_state:
-            if self.reduces_into_pool:
+        else:
+            self.accept_reduced(received, post_divisor(received.dtype, self.comm.data_parallel_size))
+            if self.policy.shards_optimizer_state and self.reduces_into_pool:
                 self.buffers.give_back(received)  # added into the gradient shard
+        if self.policy.shards_optimizer_state:
             self.release()
         else:
             self.drop_accum()
@@ -355,9 +353,8 @@ class GradBuffer:
         """[Note: reducing into the gradient shard]: this reduction may write the fp32 gradient
         shard itself."""
         return (self.policy.shards_optimizer_state and self.shard_is_zero and self.reduces_into_pool
-                and send.dtype == torch.float32 and post_divisor(send.dtype, self.comm.data_parallel_size) == 1
-                and self.shard is not None
-                and self.shard.device == send.device and not is_host_store(self.shard))
+                and send.dtype == self.shard.dtype and send.device == self.shard.device
+                and post_divisor(send.dtype, self.comm.data_parallel_size) == 1 and not is_host_store(self.shard))
 
     # ----------------------------------------------------------------- the gradient shard
     def accept_reduced(self, reduced: torch.Tensor, divisor: int = 1) -> None:
