@@ -92,7 +92,9 @@ def _group_tensors(engine: EngineState, group: FlatParamGroup) -> tuple[TensorEn
     if is_streamed(engine, group):  # see [Note: checkpoints of NVMe-offloaded state]
         return streamed_entries(engine, group)
     master = group.master_state.tensor
-    data = master if master is not None else group.storage.shard
+    # The compute shard through its store: while its unit is gathered the values are in the
+    # gathered buffer ([Note: the shard lent to the gathered buffer] in hf_zero.engine.sharding.param_storage).
+    data = group.storage.read_shard() if master is None or group.master_state.is_compute_shard else master
     elementwise, scalars = _optimizer_state(engine, group)
     optim = [(key, TensorEntry.of(tensor_name(group.label, OPTIM_PREFIX + key), value)) for key, value in elementwise.items()]
     return TensorEntry.of(tensor_name(group.label, PARAM_KEY), data), optim, scalars

@@ -15,7 +15,7 @@ from hf_zero.comm import Communicator, default_device, ensure_process_group, hf_
 from hf_zero.config import HfZeroConfig
 from hf_zero.config.validate import config_warnings
 from hf_zero.engine.sharding.deferred_load import disarm_materialisation, find_source, initialise_new_adapters
-from hf_zero.engine.sharding.buffer_pool import BufferPool, hand_back_free_heap_pages
+from hf_zero.engine.sharding.buffer_pool import BufferPool
 from hf_zero.engine.engine import ZeroEngine
 from hf_zero.engine.policy import BUCKETS_IN_FLIGHT, ShardingPolicy
 from hf_zero.engine.optim.loss_scaler import build_loss_scaler
@@ -28,6 +28,7 @@ from hf_zero.engine.optim.overlap_step import OverlappedOffloadStep, can_overlap
 from hf_zero.engine.schedule.rank_agreement import TIMEOUT_ENV, agree, collective_timeout_s, fingerprint
 from hf_zero.engine.optim.schedulers import build_scheduler
 from hf_zero.engine.schedule.unit import ZeroUnit
+from hf_zero.host_memory import hand_back_free_heap_pages
 from hf_zero.offload import NvmeOptimizerStore, NvmeParamStore, OffloadSettings, units_to_offload
 from hf_zero.offload.grad_copies import HostGradCopies
 from hf_zero.partition import KEEP_GATHERED, is_persistent, plan_units

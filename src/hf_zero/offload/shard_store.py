@@ -19,6 +19,10 @@ does not branch on offload flags:
 - ``read()``: the whole shard (a new host tensor for a file); ``write(values, start)``: new
   values for a range of it, from any device and dtype (the optimizer's update, a loaded
   checkpoint).
+- A device shard can be *lent* to the gathered buffer while its unit is gathered
+  ([Note: the shard lent to the gathered buffer] in hf_zero.engine.sharding.param_storage):
+  ``lend(home)`` frees its memory, ``read`` and ``write`` reach ``home`` instead, and
+  ``take_back()`` gives it memory and the values back.
 Every copy between host and device goes through hf_zero.transfer.
 """
 
@@ -28,8 +32,14 @@ from typing import Callable, Protocol
 
 import torch
 
-from hf_zero.execution import DONE, Completion
+from hf_zero.host_memory import lasting_storage
+from hf_zero.execution import DONE, Completion, poison_before_free
 from hf_zero.transfer import copy_to_host_, to_compute, to_compute_async, to_host
+
+
+# Lending moves a storage's memory out and back in by swapping data pointers, a private method of
+# torch's storages (torch 2.13 and 2.15 have it); a torch without it keeps every shard's memory.
+CAN_LEND = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
 
 class ShardStore(Protocol):
@@ -54,18 +64,52 @@ class DeviceShard:
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
+        # While lent: this rank's chunk of the gathered buffer, which holds the shard's values;
+        # ``tensor`` keeps its identity (the master and the optimizer hold it) but no memory.
+        self._home: torch.Tensor | None = None
+
+    @property
+    def lent(self) -> bool:
+        return self._home is not None
+
+    def lend(self, home: torch.Tensor) -> None:
+        """``home`` holds the shard's values until :meth:`take_back`: free the shard's memory."""
+        if self._home is not None:
+            raise RuntimeError("the shard is already lent; take_back() first")
+        if home.shape != self.tensor.shape or home.dtype != self.tensor.dtype or home.device != self.tensor.device:
+            raise ValueError(f"cannot lend a shard of {tuple(self.tensor.shape)} {self.tensor.dtype} on "
+                             f"{self.tensor.device} to {tuple(home.shape)} {home.dtype} on {home.device}")
+        self._home = home
+        poison_before_free(self.tensor)  # [Note: late completion]: a stale alias reads poison
+        # Swapped out, not resized: saving a checkpoint reads the shard through numpy, which
+        # marks its storage non-resizable for good. The holder takes the memory and frees it.
+        holder = torch.UntypedStorage(0, device=self.tensor.device)
+        holder._swap_data_ptr_(self.tensor.untyped_storage())
+
+    def take_back(self) -> None:
+        """The shard's memory again, with the values ``home`` holds now (before ``home`` goes)."""
+        if self._home is None:
+            raise RuntimeError("the shard is not lent")
+        # Kept for the run again: [Note: memory kept for the run] in hf_zero.host_memory.
+        fresh = lasting_storage(self.tensor.numel() * self.tensor.element_size(), self.tensor.device)
+        self.tensor.untyped_storage()._swap_data_ptr_(fresh)
+        self.tensor.copy_(self._home)
+        self._home = None
+
+    def _values(self) -> torch.Tensor:
+        return self.tensor if self._home is None else self._home
 
     def gather_input(self, device: torch.device, reclaim: Callable[[], None]) -> tuple[torch.Tensor, Completion]:
-        return self.tensor, DONE
+        return self._values(), DONE
 
     def gather_done(self) -> None:
         return None
 
     def read(self) -> torch.Tensor:
-        return self.tensor
+        return self._values()
 
     def write(self, values: torch.Tensor, start: int = 0) -> None:
-        target = self.tensor[start : start + values.numel()]
+        target = self._values()[start : start + values.numel()]
         if values.device != target.device:
             # An updated host master: copied as it is (fp32, pinned) on the copy-in stream and
             # cast on the device, not cast on the host into a pageable buffer that the copy

@@ -38,21 +38,10 @@ the engine owns those buffers, and never changes the process's allocator:
 
 On a GPU the pool hands every request to the caching allocator (resize the storage), which
 already is this pool, and knows the streams.
-
-[Note: the heap after loading]
-Loading leaves the heap full of free pages: sharded loading reads each rank's ranges through
-temporaries interleaved with the shards it keeps, and glibc keeps the freed temporaries'
-pages resident (about 800 MB per rank on a 134M Llama through the Trainer, where the shards
-are 268 MB). Nothing after loading needs them back at once, so ``initialize`` hands the heap's
-free pages back once, with ``malloc_trim(0)``, when it returns. That is a single call, not a
-setting: later allocations behave as glibc's defaults say, in the user's code and in the
-engine's.
 """
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import threading
 from collections import defaultdict
 from collections.abc import Collection
@@ -60,17 +49,7 @@ from collections.abc import Collection
 import torch
 
 from hf_zero.execution import poison_before_free
-
-
-def hand_back_free_heap_pages() -> bool:
-    """Once, when loading is done: [Note: the heap after loading]. Returns whether glibc did it."""
-    try:
-        libc = ctypes.CDLL(None)
-        trim = libc.malloc_trim  # glibc only: musl and others lack it
-    except (OSError, AttributeError):
-        return False
-    trim(0)
-    return True
+from hf_zero.host_memory import mapped_storage
 
 
 def storage_bytes(tensor: torch.Tensor) -> int:
@@ -90,13 +69,6 @@ def allocate_storage(tensor: torch.Tensor) -> bool:
         return False
     tensor.untyped_storage().resize_(needed)
     return True
-
-
-def _mapped_storage(nbytes: int) -> torch.UntypedStorage:
-    """``nbytes`` of zeroed, page-aligned host memory in an anonymous mapping of its own; the
-    mapping is unmapped when the returned storage's data is freed."""
-    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(region, dtype=torch.uint8).untyped_storage()
 
 
 class BufferPool:
@@ -180,7 +152,7 @@ class BufferPool:
             kept = self._idle.get(nbytes)
             if kept:
                 return kept.pop()
-            buffer = _mapped_storage(nbytes)
+            buffer = mapped_storage(nbytes)
             self._mapped[buffer.data_ptr()] = nbytes
             self.mappings += 1
             return buffer

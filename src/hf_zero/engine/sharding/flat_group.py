@@ -82,7 +82,8 @@ class FlatParamGroup:
         # The pool counts a size's users by group: the parameter and gradient buffers of one
         # group are one user ([Note: the buffer pool]).
         self.storage = ParamStorage(label, self.params, self.layout, self.shard_range, comm, sharded_between_uses,
-                                    compute_dtype, device, source, buffers, pool_user=self)
+                                    compute_dtype, device, source, buffers, pool_user=self,
+                                    lend_shard=not offload.optimizer_on_host)
         leaves_device = offload.params_on_host and sharded_between_uses
         self.master_state = MasterState(label, self.storage.shard if kind.trainable else None, compute_dtype,
                                         offload, separate=leaves_device)

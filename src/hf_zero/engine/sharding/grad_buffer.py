@@ -52,6 +52,7 @@ from hf_zero.comm import Communicator, Handle
 from hf_zero.engine.sharding.buffer_pool import BufferPool, allocate_storage, free_storage, storage_bytes
 from hf_zero.engine.sharding.grad_average import plan_average, post_divisor
 from hf_zero.engine.policy import ShardingPolicy
+from hf_zero.host_memory import lasting_zeros
 from hf_zero.execution import execution_for
 from hf_zero.offload import OffloadSettings
 from hf_zero.partition import FlatLayout
@@ -147,11 +148,10 @@ class GradBuffer:
         if self.shard is None:
             if self.master is None:
                 raise RuntimeError(f"{self.label} is frozen: it has no fp32 master to give a gradient shard")
-            host = self.offload.optimizer_on_host
-            self.shard = torch.zeros(self.layout.shard_numel, dtype=torch.float32,
-                                     device="cpu" if host else self.device)
-            if host:
-                self.shard = to_host(self.shard, self.offload.pin_memory)
+            if self.offload.optimizer_on_host:
+                self.shard = to_host(torch.zeros(self.layout.shard_numel, dtype=torch.float32), self.offload.pin_memory)
+            else:  # kept for the run: [Note: memory kept for the run] in hf_zero.host_memory
+                self.shard = lasting_zeros(self.layout.shard_numel, torch.float32, self.device)
             if self.master.numel() == self.shard.numel():
                 self.master.grad = self.shard
         return self.shard

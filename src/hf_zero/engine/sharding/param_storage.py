@@ -9,6 +9,21 @@ exactly where the module reads them: no copies. Freeing a full buffer empties it
 and allocating gives it memory back (from the engine's pool, [Note: the buffer pool]); the
 tensor objects, and so every view, every autograd saved tensor and every ``.grad`` binding, stay
 valid. Module code never sees the sharding.
+
+[Note: the shard lent to the gathered buffer]
+While a stage-3 group is gathered, this rank's chunk of its full buffer holds exactly the values
+of this rank's shard: the all-gather runs in place from that chunk. Keeping the shard's own
+memory as well would hold the group's parameters at (1 + 1/N)x their size for as long as it is
+gathered, and under the recipe's reuse distance (``stage3_max_reuse_distance: 1e9``, which keeps
+every unit gathered from its forward to its backward, as DeepSpeed does) that is a whole shard of
+the model at the step's peak: 268 MB per rank of a 134M model at 2 ranks, as much as its
+gradient shard. So the shard is *lent* to its chunk: when the gather completes, the shard
+tensor's storage is emptied (the tensor object stays: the master and the optimizer hold it), and
+when the group is freed the storage gets memory again and the chunk's values are copied back,
+before the full buffer goes. Reads and writes of the shard meanwhile (a checkpoint, a
+``gathered_parameters`` modifier) reach the chunk. Only a shard on the compute device in the
+compute dtype is lent, and not under ``offload_optimizer``: its step writes the shards from a
+worker thread while the backward runs ([Note: overlapped offload step]).
 """
 
 from __future__ import annotations
@@ -22,8 +37,9 @@ from hf_zero.comm import Communicator, Handle
 from hf_zero.engine.sharding.buffer_pool import BufferPool
 from hf_zero.engine.sharding.param_source import ParamSource
 from hf_zero.engine.sharding.sharded_param import mark_gathered, mark_sharded
+from hf_zero.host_memory import lasting_zeros
 from hf_zero.offload import NvmeShard, OffloadSettings
-from hf_zero.offload.shard_store import DeviceShard, HostShard, ShardStore
+from hf_zero.offload.shard_store import CAN_LEND, DeviceShard, HostShard, ShardStore
 from hf_zero.partition import FlatLayout
 
 
@@ -58,7 +74,10 @@ class ParamStorage:
         source: ParamSource | None,
         buffers: BufferPool,
         pool_user: object,
+        lend_shard: bool = False,
     ) -> None:
+        """``lend_shard``: lend the compute shard to the full buffer while gathered ([Note: the
+        shard lent to the gathered buffer]), where the store allows it."""
         self.label = label
         self.params = params
         self.layout = layout
@@ -71,26 +90,29 @@ class ParamStorage:
             buffers.register(layout.padded_numel * compute_dtype.itemsize, pool_user)
         self._pending_gather: Handle | None = None
         self.state = StorageState.GATHERED
+        self.shard_range = shard_range
+        self._lend_shard = lend_shard and sharded_between_uses
         lo, hi = shard_range
         lazy = source is not None and any(p.is_meta for p in params)
         if lazy and sharded_between_uses:
             # Sharded loading: read only this rank's ranges; the full buffer is never touched
             # (torch.empty leaves its pages unallocated) and freed at once.
             self.full = torch.empty(layout.padded_numel, dtype=compute_dtype, device=device)
-            shard = torch.zeros(hi - lo, dtype=compute_dtype, device=device)
+            shard = lasting_zeros(hi - lo, compute_dtype, device)  # [Note: memory kept for the run]
             self._fill_from_source(source, shard, lo, hi)
             self._bind_param_views()
-            self.free()
         else:
             self.full = self._flatten(compute_dtype, device, source if lazy else None)
             self._bind_param_views()
             # See [Note: views into flat buffers].
-            shard = self.full[lo:hi].clone() if sharded_between_uses else self.full[lo:hi]
-            if sharded_between_uses:
-                self.free()
+            shard = self.full[lo:hi]
+            if sharded_between_uses:  # its own memory, kept for the run: [Note: memory kept for the run]
+                shard = lasting_zeros(hi - lo, compute_dtype, device).copy_(shard)
         # See [Note: shard stores]; the device store until the master is made from it
         # (:meth:`leave_device`).
         self.store: ShardStore = DeviceShard(shard)
+        if sharded_between_uses:
+            self.free()
 
     # ----------------------------------------------------------------- construction
     def _flatten(self, dtype: torch.dtype, device: torch.device, source: ParamSource | None) -> torch.Tensor:
@@ -170,6 +192,18 @@ class ParamStorage:
         NVMe parameter offload."""
         self.store.write(values, start)
 
+    @property
+    def lends_shard(self) -> bool:
+        """[Note: the shard lent to the gathered buffer] applies: a device shard in the compute
+        dtype (not one that waits on the host or in a file between gathers)."""
+        store = self.store
+        return (self._lend_shard and isinstance(store, DeviceShard) and store.tensor.dtype == self.full.dtype
+                and store.tensor.device == self.full.device and CAN_LEND)
+
+    def _own_chunk(self) -> torch.Tensor:
+        lo, hi = self.shard_range
+        return self.full[lo:hi]
+
     def read_shard(self) -> torch.Tensor:
         """This rank's compute shard (read from its file, into a new tensor, under NVMe parameter
         offload)."""
@@ -205,6 +239,12 @@ class ParamStorage:
             raise RuntimeError(f"{self.label}: its storage is {self.state.value} but the full buffer already "
                                "has memory; only ParamStorage.free() may take it away")
         shard, copied = self.store.gather_input(self.full.device, reclaim=self.wait_unshard)
+        if self.lends_shard:
+            # In place from this rank's chunk, which then holds the lent shard's values
+            # ([Note: the shard lent to the gathered buffer]), whatever the backend writes there.
+            chunk = self._own_chunk()
+            chunk.copy_(shard)
+            shard = chunk
         self.state = StorageState.GATHERING
         self._pending_gather = self.comm.all_gather_into(
             self.full, shard, label=self.label, async_op=async_op, after=(copied,)
@@ -218,6 +258,8 @@ class ParamStorage:
         self._pending_gather = None
         self.state = StorageState.GATHERED
         self.store.gather_done()
+        if self.lends_shard:
+            self.store.lend(self._own_chunk())  # type: ignore[attr-defined]
         # Readable only now: while a gather is in flight the parameters keep their guard, so
         # a read that no module hook waited for (a fused loss reading lm_head.weight) waits
         # for the values instead of reading the buffer's stale bytes.
@@ -227,6 +269,8 @@ class ParamStorage:
         """GATHERED -> SHARDED: free the full buffer; its parameters raise a clear error if read
         until the next gather ([Note: parameters read outside their unit])."""
         self._expect(StorageState.GATHERED, "free the full buffer")
+        if isinstance(self.store, DeviceShard) and self.store.lent:
+            self.store.take_back()  # before the buffer that holds its values goes
         self.buffers.release(self.full)
         self.state = StorageState.SHARDED
         mark_sharded(self.params)
