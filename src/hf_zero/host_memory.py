@@ -40,6 +40,11 @@ import torch
 # process has a limit on how many it may have.
 MIN_MAPPED_BYTES = 1 << 20
 
+# Moving memory in and out of a storage object that views and autograd hold (the buffer pool,
+# a gradient autograd hands over, a lent shard) swaps data pointers, a private method of torch's
+# storages (torch 2.13 and 2.15 have it); a torch without it keeps that memory where it is.
+CAN_SWAP_STORAGE = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
 # Mappings at least this large ask for transparent huge pages (Linux; elsewhere nothing).
 HUGE_PAGE_BYTES = 2 << 20
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
@@ -89,16 +94,14 @@ def is_lasting(tensor: torch.Tensor) -> bool:
     return getattr(tensor, _LASTING, False)
 
 
-def settle_optimizer_state(optimizer: torch.optim.Optimizer, first_step: bool) -> bool:
+def settle_optimizer_state(optimizer: torch.optim.Optimizer, first_step: bool) -> None:
     """After an optimizer step: move the host tensors a torch optimizer made in the heap (its
     moments, from its first step or a loaded checkpoint) into mappings of their own, and hand the
     heap's free pages back once when that moved anything or this was the run's first step (whose
-    freed activations are what fills the heap; later steps reuse those pages). Returns whether
-    it handed them back."""
+    freed activations are what fills the heap; later steps reuse those pages)."""
     moved = _move_state_out_of_the_heap(optimizer)
     if moved or first_step:  # the old tensors are gone now (no reference outlives the call above)
         hand_back_free_heap_pages()
-    return moved or first_step
 
 
 def _move_state_out_of_the_heap(optimizer: torch.optim.Optimizer) -> bool:

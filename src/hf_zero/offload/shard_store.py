@@ -37,11 +37,6 @@ from hf_zero.execution import DONE, Completion, poison_before_free
 from hf_zero.transfer import copy_to_host_, to_compute, to_compute_async, to_host
 
 
-# Lending moves a storage's memory out and back in by swapping data pointers, a private method of
-# torch's storages (torch 2.13 and 2.15 have it); a torch without it keeps every shard's memory.
-CAN_LEND = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
-
-
 class ShardStore(Protocol):
     location: str  # "device" | "host" | "nvme"
 

@@ -49,7 +49,7 @@ from collections.abc import Collection
 import torch
 
 from hf_zero.execution import poison_before_free
-from hf_zero.host_memory import mapped_storage
+from hf_zero.host_memory import CAN_SWAP_STORAGE, mapped_storage
 
 
 def storage_bytes(tensor: torch.Tensor) -> int:
@@ -80,9 +80,9 @@ class BufferPool:
 
     def __init__(self, device: torch.device, prefetch_bytes: int = 0, buffers_in_flight: int = 0) -> None:
         self.device = device
-        # On a GPU: the caching allocator. The swap is a private method of torch's storages
-        # (torch 2.13 and 2.15 have it); a torch without it runs on glibc's allocator as is.
-        self.owns_memory = device.type == "cpu" and hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+        # On a GPU: the caching allocator; a torch that cannot swap a storage's memory runs on
+        # glibc's allocator as is.
+        self.owns_memory = device.type == "cpu" and CAN_SWAP_STORAGE
         self.prefetch_bytes = prefetch_bytes
         # Per reusable size, the buffers that may be freed before the next allocation of that size.
         self.idle_per_size = 2 + buffers_in_flight

@@ -52,7 +52,7 @@ from hf_zero.comm import Communicator, Handle
 from hf_zero.engine.sharding.buffer_pool import BufferPool, allocate_storage, free_storage, storage_bytes
 from hf_zero.engine.sharding.grad_average import plan_average, post_divisor
 from hf_zero.engine.policy import ShardingPolicy
-from hf_zero.host_memory import lasting_zeros
+from hf_zero.host_memory import CAN_SWAP_STORAGE, lasting_zeros
 from hf_zero.execution import execution_for
 from hf_zero.offload import OffloadSettings
 from hf_zero.partition import FlatLayout
@@ -163,7 +163,7 @@ class GradBuffer:
         autograd made for its one parameter."""
         slot = self.layout.slots[0] if len(self.layout.slots) == 1 else None
         return (self.policy.shards_params and slot is not None and slot.offset == 0 and slot.numel == self.layout.padded_numel
-                and hasattr(torch.UntypedStorage, "_swap_data_ptr_"))
+                and CAN_SWAP_STORAGE)
 
     def prepare(self, for_backward: bool = False) -> None:
         """Before this group's backward (``for_backward``) or its reduction: make sure the flat

@@ -37,9 +37,9 @@ from hf_zero.comm import Communicator, Handle
 from hf_zero.engine.sharding.buffer_pool import BufferPool
 from hf_zero.engine.sharding.param_source import ParamSource
 from hf_zero.engine.sharding.sharded_param import mark_gathered, mark_sharded
-from hf_zero.host_memory import lasting_zeros
+from hf_zero.host_memory import CAN_SWAP_STORAGE, lasting_zeros
 from hf_zero.offload import NvmeShard, OffloadSettings
-from hf_zero.offload.shard_store import CAN_LEND, DeviceShard, HostShard, ShardStore
+from hf_zero.offload.shard_store import DeviceShard, HostShard, ShardStore
 from hf_zero.partition import FlatLayout
 
 
@@ -198,7 +198,7 @@ class ParamStorage:
         dtype (not one that waits on the host or in a file between gathers)."""
         store = self.store
         return (self._lend_shard and isinstance(store, DeviceShard) and store.tensor.dtype == self.full.dtype
-                and store.tensor.device == self.full.device and CAN_LEND)
+                and store.tensor.device == self.full.device and CAN_SWAP_STORAGE)
 
     def _own_chunk(self) -> torch.Tensor:
         lo, hi = self.shard_range
