@@ -1,23 +1,29 @@
-"""Host memory the engine keeps for the whole run, in mappings of its own outside glibc's heap.
+"""Host memory kept for the whole run: the shards in mappings of their own, outside glibc's heap.
 
 [Note: memory kept for the run]
 A rank keeps some tensors for the whole run: its parameter shards, its gradient shards and its
 optimizer's moments. glibc serves allocations under its mmap threshold (128 KiB at first, raised
 to the size of each large block freed, up to 32 MiB) from one heap that only shrinks from the
-top, so a shard or a moment allocated there pins every page below it. Most of these arrive in the
-middle of a step: the gradient shards in the first backward, the moments in the first step, in
-the holes the freed activations left. The next steps' activations then have to fit around them,
-and the heap holds hundreds of MB of free but resident pages at the step's peak (measured on a
-134M Llama through the Trainer at 2 ranks: 560 MB of the heap's 1.4 GB free at the peak).
+top, so a block allocated there pins the pages around it. The gradient shards arrive in the
+middle of the first backward, in the holes the freed activations left; every later step's
+activations then have to fit around them, and the heap held hundreds of MB of free but resident
+pages at the step's peak (measured on a 134M Llama through the Trainer at 2 ranks: 560 MB of the
+heap's 1.4 GB free at the peak).
 
-So on the CPU what the engine keeps is allocated in an anonymous mapping of its own
-(:func:`lasting_zeros`, from 1 MiB up: smaller ones would spend a mapping each on a few pages),
-and the heap holds only what a step allocates and frees. A torch optimizer makes its own state,
-in the heap, in its first step; :func:`settle_optimizer_state` moves it into such mappings after
-that step (and after a checkpoint load replaced it). Then, once, it hands the heap's free pages
-back ([Note: the heap after loading]): the first step's freed activations would otherwise stay
-resident beside state that no longer fills their holes. That is a call, not a setting, and later
-allocations behave as glibc's defaults say. On a GPU these tensors come from the device's caching allocator as before.
+So on the CPU the parameter and gradient shards are allocated in an anonymous mapping of their
+own (:func:`lasting_zeros`, from 1 MiB up: smaller ones would spend a mapping each on a few
+pages), and the heap holds what a step allocates and frees. The optimizer's moments stay in the
+heap (hf_zero's Adam makes them with ``torch.zeros_like``, as a torch optimizer does): they are
+made in the first optimizer step, after the backward freed that step's activations, so in the
+heap they take pages that are resident already, where a mapping of their own adds pages beside
+the freed ones until the trim below. Both were measured on the three-size benchmark's GPT-2 and
+the Trainer's Llama: with the moments in mappings too, the peak per rank was 1.5-2% higher at
+5.3M and 29.5M (29.5M: 1280-1318 MiB against 1246-1254), and the Trainer's 0.70x DDP instead of
+0.72x; both are within the bounds the project holds. Once, after the first optimizer step, the
+engine hands the heap's free pages back ([Note: the heap after loading]): the first step's freed
+activations would otherwise stay resident beside what no longer fills their holes. That is a
+call, not a setting, and later allocations behave as glibc's defaults say. On a GPU these
+tensors come from the device's caching allocator as before.
 
 [Note: the heap after loading]
 Loading leaves the heap full of free pages: sharded loading reads each rank's ranges through
@@ -83,50 +89,13 @@ def lasting_zeros(numel: int, dtype: torch.dtype, device: torch.device | str) ->
     return tensor
 
 
-def lasting_zeros_like(tensor: torch.Tensor) -> torch.Tensor:
-    """Zeros of ``tensor``'s shape, dtype and device (contiguous), kept for the run."""
-    like = lasting_zeros(tensor.numel(), tensor.dtype, tensor.device).view(tensor.shape)
-    setattr(like, _LASTING, True)
-    return like
-
-
 def is_lasting(tensor: torch.Tensor) -> bool:
     return getattr(tensor, _LASTING, False)
 
 
-def settle_optimizer_state(optimizer: torch.optim.Optimizer, first_step: bool) -> None:
-    """After an optimizer step: move the host tensors a torch optimizer made in the heap (its
-    moments, from its first step or a loaded checkpoint) into mappings of their own, and hand the
-    heap's free pages back once when that moved anything or this was the run's first step (whose
-    freed activations are what fills the heap; later steps reuse those pages)."""
-    moved = _move_state_out_of_the_heap(optimizer)
-    if moved or first_step:  # the old tensors are gone now (no reference outlives the call above)
-        hand_back_free_heap_pages()
-
-
-def _move_state_out_of_the_heap(optimizer: torch.optim.Optimizer) -> bool:
-    """A tensor that shares its storage with another, or holds part of one, stays where it is:
-    a copy would split it."""
-    candidates: dict[int, list[tuple[dict, str]]] = {}
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if (isinstance(value, torch.Tensor) and value.device.type == "cpu" and not is_lasting(value)
-                    and value.numel() * value.element_size() >= MIN_MAPPED_BYTES):
-                candidates.setdefault(value.untyped_storage().data_ptr(), []).append((state, key))
-    moved = False
-    for uses in candidates.values():
-        state, key = uses[0]
-        value = state[key]
-        whole = value.untyped_storage().nbytes() == value.numel() * value.element_size()
-        if len(uses) == 1 and whole and value.is_contiguous():
-            state[key] = lasting_zeros_like(value).copy_(value)
-            moved = True
-    return moved
-
-
 def hand_back_free_heap_pages() -> bool:
-    """Once, after loading ([Note: the heap after loading]) or after the heap's long-lived blocks
-    moved out ([Note: memory kept for the run]). Returns whether glibc did it."""
+    """Once, after loading ([Note: the heap after loading]) and after the first optimizer step
+    ([Note: memory kept for the run]). Returns whether glibc did it."""
     try:
         libc = ctypes.CDLL(None)
         trim = libc.malloc_trim  # glibc only: musl and others lack it

@@ -1,7 +1,7 @@
-"""[Note: memory kept for the run] in hf_zero.host_memory: on the host, what a rank keeps for the
-whole run (its parameter shards, its gradient shards, its optimizer's moments, whether hf_zero's
-Adam made them or a torch optimizer did in its first step) is each in an anonymous mapping of
-its own, outside glibc's heap, where the step's activations come and go.
+"""[Note: memory kept for the run] in hf_zero.host_memory: on the host, the shards a rank keeps for
+the whole run (its parameter shards and its gradient shards, under hf_zero's Adam or a torch
+optimizer rebuilt over them) are each in an anonymous mapping of its own, outside glibc's heap,
+where the step's activations come and go.
 
 What tells them apart: a block glibc serves from its heap lies inside the ``[heap]`` mapping, and
 one it maps for a large malloc starts after the chunk header, so not at a page boundary (the
@@ -56,13 +56,13 @@ def _kept_tensors(world: int, optimizer_kind: str) -> dict[str, Any]:
         config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
     else:  # a torch optimizer, rebuilt over the shards: its state is made by torch in its first step
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    engine, opt, _, _ = hf_zero.initialize(model=model, config=config, optimizer=optimizer)
+    engine, _, _, _ = hf_zero.initialize(model=model, config=config, optimizer=optimizer)
     for step in range(2):
         ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(step * world + engine.rank))
         engine.backward(engine(input_ids=ids, labels=ids).loss)
         engine.step()
     heap = _heap_range()
-    kinds: dict[str, list[bool]] = {"param shard": [], "gradient shard": [], "optimizer state": []}
+    kinds: dict[str, list[bool]] = {"param shard": [], "gradient shard": []}
     for unit in engine.units:
         for group in unit.groups:
             shard = group.storage.shard
@@ -70,9 +70,6 @@ def _kept_tensors(world: int, optimizer_kind: str) -> dict[str, Any]:
                 continue
             kinds["param shard"].append(_in_own_mapping(shard, heap))
             kinds["gradient shard"].append(_in_own_mapping(group.grads.shard, heap))
-            state = opt.state[group.master_state.tensor]
-            kinds["optimizer state"] += [_in_own_mapping(value, heap) for value in state.values()
-                                         if isinstance(value, torch.Tensor) and value.numel() * value.element_size() >= MIB]
     return kinds
 
 
@@ -81,4 +78,3 @@ def test_what_a_rank_keeps_for_the_run_is_in_mappings_of_its_own(optimizer_kind)
     for kinds in run_distributed(_kept_tensors, 2, 2, optimizer_kind):
         for kind, in_own_mapping in kinds.items():
             assert in_own_mapping and all(in_own_mapping), (kind, in_own_mapping)
-        assert len(kinds["optimizer state"]) == 2 * len(kinds["param shard"])  # both moments of every group

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 
 from hf_zero.engine.sharding.flat_group import FlatParamGroup
-from hf_zero.host_memory import settle_optimizer_state
+from hf_zero.host_memory import hand_back_free_heap_pages
 from hf_zero.engine.sharding.param_usage import unused_ranges
 
 if TYPE_CHECKING:  # annotations only (optimizer imports this module)
@@ -50,8 +50,8 @@ class InnerStep:
         gradients divided by ``scale`` and multiplied by ``clip_coef``."""
         with _skipping_unused(groups, used, self.inner, put_back_partial=self.puts_back_unused):
             self._step(groups, scale, clip_coef)
-        # A torch optimizer's first step made its state in the heap: [Note: memory kept for the run].
-        settle_optimizer_state(self.inner, first_step=not self.stepped)
+        if not self.stepped:  # once, after the first step: [Note: memory kept for the run]
+            hand_back_free_heap_pages()
         self.stepped = True
 
     def _step(self, groups: list[FlatParamGroup], scale: float, clip_coef: float) -> None:

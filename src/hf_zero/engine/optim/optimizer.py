@@ -27,7 +27,6 @@ from hf_zero.engine.optim.inner_step import (
 )
 from hf_zero.engine.sharding.param_usage import Segment, advanced_steps, step_runs
 from hf_zero.engine.policy import ShardingPolicy
-from hf_zero.host_memory import lasting_zeros_like
 from hf_zero.engine.optim.step_pipeline import StepOutcome, StepPipeline
 
 if TYPE_CHECKING:  # annotations only (overlap_step imports this module at run time)
@@ -85,9 +84,9 @@ class ZeroAdam(torch.optim.Optimizer):
         state = self.state[master]
         if not state:
             state["step"] = 0
-            # Kept for the run: [Note: memory kept for the run] in hf_zero.host_memory.
-            state["exp_avg"] = lasting_zeros_like(master)
-            state["exp_avg_sq"] = lasting_zeros_like(master)
+            # In the heap, unlike the shards: [Note: memory kept for the run] in hf_zero.host_memory.
+            state["exp_avg"] = torch.zeros_like(master)
+            state["exp_avg_sq"] = torch.zeros_like(master)
         owner = self.usage.get(id(master))
         segments, used = (owner.segments, owner.params_used) if owner else ([Segment(0, 0, master.numel())], [True])
         # A checkpoint from before per-parameter counts: every parameter at the shard's count.
