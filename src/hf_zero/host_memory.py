@@ -10,20 +10,19 @@ activations then have to fit around them, and the heap held hundreds of MB of fr
 pages at the step's peak (measured on a 134M Llama through the Trainer at 2 ranks: 560 MB of the
 heap's 1.4 GB free at the peak).
 
-So on the CPU the parameter and gradient shards are allocated in an anonymous mapping of their
-own (:func:`lasting_zeros`, from 1 MiB up: smaller ones would spend a mapping each on a few
-pages), and the heap holds what a step allocates and frees. The optimizer's moments stay in the
-heap (hf_zero's Adam makes them with ``torch.zeros_like``, as a torch optimizer does): they are
-made in the first optimizer step, after the backward freed that step's activations, so in the
-heap they take pages that are resident already, where a mapping of their own adds pages beside
-the freed ones until the trim below. Both were measured on the three-size benchmark's GPT-2 and
-the Trainer's Llama: with the moments in mappings too, the peak per rank was 1.5-2% higher at
-5.3M and 29.5M (29.5M: 1280-1318 MiB against 1246-1254), and the Trainer's 0.70x DDP instead of
-0.72x; both are within the bounds the project holds. Once, after the first optimizer step, the
-engine hands the heap's free pages back ([Note: the heap after loading]): the first step's freed
-activations would otherwise stay resident beside what no longer fills their holes. That is a
-call, not a setting, and later allocations behave as glibc's defaults say. On a GPU these
-tensors come from the device's caching allocator as before.
+So on the CPU the parameter and gradient shards are allocated in an anonymous mapping of their own
+(:func:`lasting_zeros`, from 1 MiB up: smaller ones would spend a mapping each on a few pages), and
+the heap holds what a step allocates and frees. The optimizer's moments stay in the heap (hf_zero's
+Adam makes them with ``torch.zeros_like``, as a torch optimizer does): they are made in the first
+optimizer step, after the backward freed that step's activations, so in the heap they take pages
+that are resident already, where a mapping of their own adds pages beside the freed ones until the
+trim below. Both were measured on the three-size benchmark's GPT-2 and the Trainer's Llama: with
+the moments in mappings too, the peak per rank was 1.5-2% higher at 5.3M and 29.5M (29.5M:
+1280-1318 MiB against 1246-1267), and the Trainer's 0.70x DDP instead of 0.71x. Once, after the
+first optimizer step, the engine hands the heap's free pages back ([Note: the heap after loading]):
+the first step's freed activations would otherwise stay resident beside what no longer fills their
+holes. That is a call, not a setting, and later allocations behave as glibc's defaults say. On a
+GPU these tensors come from the device's caching allocator as before.
 
 [Note: the heap after loading]
 Loading leaves the heap full of free pages: sharded loading reads each rank's ranges through

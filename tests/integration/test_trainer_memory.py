@@ -3,13 +3,13 @@ the model with run_clm's ``from_pretrained`` keywords) on a 134M-parameter Llama
 every run under glibc's default allocator unless it says otherwise:
 
 - hf_zero ZeRO-3 with the README's recipe peaks at most 0.75x the resident memory per rank of
-  the same script under DDP, with the same losses (measured 0.70x: DDP 3457 MB, hf_zero 2428 MB; DeepSpeed ZeRO-3
+  the same script under DDP, with the same losses (measured 0.71x: DDP 3446 MB, hf_zero 2433 MB; DeepSpeed ZeRO-3
   measures 0.95x in benchmarks/bench_trainer_memory.py). The engine changes no allocator
   setting ([Note: the buffer pool]). The recipe's reuse distance keeps every decoder layer
   gathered from its forward to its backward, as DeepSpeed does; what keeps the peak down is that
   a gathered unit's shard lends its memory to the gathered buffer ([Note: the shard lent to the
-  gathered buffer]) and that what a rank keeps for the run lives in mappings of its own, outside
-  the heap the activations churn ([Note: memory kept for the run]): without both the run
+  gathered buffer]) and that the shards a rank keeps for the run live in mappings of their own,
+  outside the heap the activations churn ([Note: memory kept for the run]): without both the run
   measured 0.77-0.79x. Sharding itself is what the bound checks too: states that were not
   sharded would put hf_zero at or above DDP (8 of DDP's 16 bytes per parameter are saved).
 - With glibc's threshold fixed (``MALLOC_MMAP_THRESHOLD_=131072``, the memory-first opt-in that
