@@ -174,9 +174,9 @@ def _train_steps(folder: str, steps: int) -> dict[str, Any]:
 def test_steady_state_memory_is_flat(checkpoint, monkeypatch):
     """Every step allocates and frees each unit's full parameters and gradients. Between steps
     the engine's pool holds nothing ([Note: the buffer pool]); from the second step to the
-    eighth what malloc has handed out grows by less than 1 MiB (measured 60-80 KB, as under
-    plain DDP over gloo, about 5 KB a step here; a single-process torch loop grows by nothing),
-    and resident memory stays within three shards: what moves is glibc's free heap
+    eighth what malloc has handed out grows by less than 1 MiB (measured 60-80 KB: torch's
+    flight recorder filling its ring of recent collectives, 2.4 MB when full; with
+    TORCH_FR_BUFFER_SIZE=0, 28-30 KB, flat from the 100th step), and resident memory stays within three shards: what moves is glibc's free heap
     pages under the activations (measured 3-27 MiB, one unit's buffers being 12.4 MiB; plain
     DDP's moves by 0-26 MiB in the same measure), with no
     allocator setting involved. Unit buffers kept in glibc's heap made it climb by five shards;
