@@ -172,27 +172,27 @@ def _train_steps(folder: str, steps: int) -> dict[str, Any]:
 
 
 def test_steady_state_memory_is_flat(checkpoint, monkeypatch):
-    """Every step allocates and frees each unit's full parameters and gradients. Between steps
-    the engine's pool holds nothing ([Note: the buffer pool]); from the second step to the
-    eighth what malloc has handed out grows by less than 1 MiB (measured 60-80 KB: torch's
-    flight recorder filling its ring of recent collectives, 2.4 MB when full; with
-    TORCH_FR_BUFFER_SIZE=0, 28-30 KB, flat from the 100th step), and resident memory stays within three shards: what moves is glibc's free heap
-    pages under the activations (measured 3-27 MiB, one unit's buffers being 12.4 MiB; plain
-    DDP's moves by 0-26 MiB in the same measure), with no
-    allocator setting involved. Unit buffers kept in glibc's heap made it climb by five shards;
-    keeping one 3 MB gradient shard's copy per step stays inside the resident bound (+7 MiB, the
-    copies fill free heap pages) and fails the malloc one (+18.6 MiB)."""
+    """Every step allocates and frees each unit's full parameters and gradients. Between steps the
+    engine's pool holds nothing ([Note: the buffer pool]); from the second step to the eighth
+    what malloc has handed out grows by less than 1 MiB (measured 60-80 KB: torch's flight
+    recorder filling its ring of recent collectives, 2.4 MB when full; with
+    TORCH_FR_BUFFER_SIZE=0, 28-30 KB, flat from the 100th step), and resident memory stays
+    within three shards: what moves is glibc's free heap pages under the activations (measured
+    3-27 MiB, one unit's buffers being 12.4 MiB; plain DDP's moves by 0-26 MiB in the same
+    measure), with no allocator setting involved. Unit buffers kept in glibc's heap made it
+    climb by five shards; keeping one 3 MB gradient shard's copy per step stays inside the
+    resident bound (+7 MiB, the copies fill free heap pages) and fails the malloc one (+18.6
+    MiB)."""
     for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_"):
         monkeypatch.delenv(name, raising=False)  # glibc at its defaults
     for rank in run_distributed(_train_steps, 2, checkpoint["folder"], 8):
-        after = rank["after_step"]
+        after, in_use = rank["after_step"], rank["heap_in_use"]
         growth = max(after[1:]) - after[1]
+        in_use_growth = [x - in_use[1] for x in in_use[1:]] if in_use[0] is not None else None
         print(f"after each step {[round(x) for x in after]} MiB; shard {rank['shard_mb']:.1f} MiB, "
-              f"a unit's buffers {rank['unit_buffers_mb']:.1f} MiB; malloc in use from the second step "
-              f"{[x - rank['heap_in_use'][1] for x in rank['heap_in_use'][1:]] if rank['heap_in_use'][0] else None} B")
+              f"a unit's buffers {rank['unit_buffers_mb']:.1f} MiB; malloc in use from the second step {in_use_growth} B")
         assert rank["pool_bytes"] == [0] * len(after)
         assert growth < 3 * rank["shard_mb"], f"resident memory grew by {growth:.0f} MiB from the second step"
-        in_use = rank["heap_in_use"]
-        if in_use[0] is not None:  # what the process holds live through malloc does not grow at all
-            held_more = max(in_use[1:]) - in_use[1]
+        if in_use_growth is not None:  # what the process holds live through malloc stays put
+            held_more = max(in_use_growth)
             assert held_more < 2**20, f"malloc holds {held_more / 2**20:.1f} MiB more than after the second step"

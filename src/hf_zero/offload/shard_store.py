@@ -32,8 +32,8 @@ from typing import Callable, Protocol
 
 import torch
 
-from hf_zero.host_memory import lasting_storage
 from hf_zero.execution import DONE, Completion, poison_before_free
+from hf_zero.host_memory import lasting_storage
 from hf_zero.transfer import copy_to_host_, to_compute, to_compute_async, to_host
 
 
