@@ -92,7 +92,8 @@ def _digest(engine: Any) -> str:
 
 def _run(sc: dict[str, Any], bad_step: int | None) -> dict[str, Any]:
     engine = _engine(sc)
-    errors, digest_before_bad, digest_after_bad, lr_before_bad, lr_after_bad = [], None, None, None, None
+    errors, error_steps, applied = [], [], []
+    digest_before_bad, digest_after_bad, lr_before_bad, lr_after_bad = None, None, None, None
     for step in range(STEPS):
         if step == bad_step:
             digest_before_bad, lr_before_bad = _digest(engine), engine.get_lr()
@@ -107,12 +108,17 @@ def _run(sc: dict[str, Any], bad_step: int | None) -> dict[str, Any]:
             engine.step()
         except FloatingPointError as error:
             errors.append(str(error))
+            error_steps.append(step)
         if hook is not None:
             hook.remove()
+        # Read as a user reads it; it also reads the outcome of a step taken on the device
+        # ([Note: a step the host does not wait for]) before the digest looks at the host's records.
+        applied.append(engine.was_step_applied())
         if step == bad_step:
             digest_after_bad, lr_after_bad = _digest(engine), engine.get_lr()
     return {
-        "errors": errors, "digest": _digest(engine), "lr": engine.get_lr(), "skipped": engine.skipped_steps,
+        "errors": errors, "error_steps": error_steps, "applied": applied,
+        "digest": _digest(engine), "lr": engine.get_lr(), "skipped": engine.skipped_steps,
         "unchanged_by_bad_step": digest_before_bad == digest_after_bad and lr_before_bad == lr_after_bad,
         "params": hashlib.sha256(repr(S.full_params(engine)).encode()).hexdigest(),
     }
@@ -142,10 +148,17 @@ def test_a_non_finite_step_changes_nothing_and_the_run_goes_on_as_without_that_b
 @pytest.mark.parametrize("name", list(CASES))
 def test_raises_or_skips_as_configured_on_every_rank(results, name):
     skips = bool(CASES[name].get("bf16_skip"))
+    # The host learns the outcome of a step taken on the device after it (here, from
+    # was_step_applied right after it); the error comes from the next step, which was taken.
+    on_device = "overlapped" not in name
     for per_rank in results:
         bad = per_rank[name]["bad"]
         assert len(bad["errors"]) == (0 if skips else 1)
         assert bad["skipped"] == (1 if skips else 0)
+        assert bad["applied"] == [step != BAD_STEP for step in range(STEPS)]
+        if not skips:
+            assert bad["error_steps"] == [BAD_STEP + 1 if on_device else BAD_STEP]
+            assert ("an earlier step" in bad["errors"][0]) == on_device
 
 
 def test_the_error_does_not_suggest_clipping_when_clipping_is_on(results):

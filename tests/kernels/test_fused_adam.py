@@ -94,6 +94,53 @@ def test_ten_steps_match_torch_optim(adamw: bool, grad_dtype: torch.dtype) -> No
     torch.testing.assert_close(exp_avg_sq, state["exp_avg_sq"], **OPTIM_TOL)
 
 
+# [Note: step factors]: the scale and the coefficient as a device tensor give what the floats
+# give, bit for bit, on every backend (the reference, and this run's: torch's fused CPU kernel or
+# the Triton kernel in the interpreter run); a non-zero skip changes nothing at all.
+FACTOR_CASES = [AdamCase(4097, BF16, BF16, 0.1, True, 3, 1024.0, 0.5), AdamCase(1023, F32, None, 0.1, False, 1, 1.0, 0.25),
+                AdamCase(4097, F16, F16, 0.0, True, 7, 8.0, 1.0)]
+
+
+@pytest.mark.parametrize("case", FACTOR_CASES, ids=_case_id)
+@pytest.mark.parametrize("impl", [kernels.fused_adam_, reference.fused_adam_], ids=["dispatch", "reference"])
+def test_device_factors_step_as_the_floats_do(case: AdamCase, impl: Callable[..., None]) -> None:
+    state = adam_state(case)
+    expected = clone_state(state)
+    run_adam(impl, expected, case)
+    factors = torch.tensor([case.grad_scale, case.clip_coef, 0.0])
+    hparams = {**case.hparams(), "grad_scale": 1.0, "clip_coef": 1.0}
+    impl(state["master"], state["grad"], state["exp_avg"], state["exp_avg_sq"], out=state["out"],
+         factors=factors, **hparams)
+    for name in ("master", "exp_avg", "exp_avg_sq", "out"):
+        if state[name] is not None:
+            assert torch.equal(state[name], expected[name]), f"{name} differs with device factors"
+
+
+@pytest.mark.parametrize("case", FACTOR_CASES, ids=_case_id)
+@pytest.mark.parametrize("impl", [kernels.fused_adam_, reference.fused_adam_], ids=["dispatch", "reference"])
+def test_device_skip_flag_changes_nothing(case: AdamCase, impl: Callable[..., None]) -> None:
+    state = adam_state(case)
+    state["grad"][5] = float("inf")  # what a skipped step's gradients look like
+    before = clone_state(state)
+    factors = torch.tensor([case.grad_scale, 0.0, 1.0])
+    hparams = {**case.hparams(), "grad_scale": 1.0, "clip_coef": 1.0}
+    impl(state["master"], state["grad"], state["exp_avg"], state["exp_avg_sq"], out=state["out"],
+         factors=factors, **hparams)
+    for name, tensor in state.items():
+        if tensor is not None:
+            assert torch.equal(tensor, before[name]), f"a skipped step changed {name}"
+
+
+def test_factors_and_floats_together_are_refused() -> None:
+    tensors = _tensors()
+    with pytest.raises(ValueError, match=r"either as floats or in factors, not both"):
+        kernels.fused_adam_(*tensors, lr=LR, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1,
+                            clip_coef=0.5, factors=torch.tensor([1.0, 1.0, 0.0]))
+    with pytest.raises(ValueError, match=r"factors must be 3 contiguous fp32 elements"):
+        kernels.fused_adam_(*tensors, lr=LR, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1,
+                            factors=torch.tensor([1.0, 0.0]))
+
+
 def test_empty_shard_is_a_no_op() -> None:
     case = AdamCase(0, BF16, BF16, 0.1, True, 3, 2.0, 0.5)
     state = adam_state(case)

@@ -161,3 +161,38 @@ def test_build_loss_scaler() -> None:
 def test_build_loss_scaler_validation(args, match) -> None:
     with pytest.raises(ValueError, match=match):
         build_loss_scaler(*args)
+
+
+# [Note: the loss scale on the device]: the device tensors follow the host rule step for step,
+# for every knob the rule has, over patterns that reach the minimum, spend and refill the
+# hysteresis and grow.
+DEVICE_CASES = [
+    dict(init_scale=1024.0, scale_window=2, min_scale=1.0, delayed_shift=1, raise_error_at_min_scale=False),
+    dict(init_scale=8.0, scale_window=3, min_scale=2.0, delayed_shift=2, raise_error_at_min_scale=False),
+    dict(init_scale=64.0, scale_window=2, min_scale=1.0, delayed_shift=3, consecutive_hysteresis=True),
+    dict(init_scale=16.0, scale_window=1, min_scale=4.0, delayed_shift=2, raise_error_at_min_scale=False),
+]
+
+
+@pytest.mark.parametrize("knobs", DEVICE_CASES, ids=lambda k: "-".join(f"{v}" for v in k.values()))
+def test_device_scale_follows_the_host_rule(knobs: dict) -> None:
+    generator = torch.Generator().manual_seed(0)
+    pattern = (torch.rand(60, generator=generator) < 0.3).tolist() + [C] * 8 + [O] * 6
+    scaler = DynamicLossScaler(**knobs)
+    device = torch.device("cpu")
+    for step, overflow in enumerate(pattern):
+        scaler.update_on_device(torch.tensor(overflow), device)
+        scaler.update_scale(overflow)
+        state = scaler._device_state(device)
+        got = (state["scale"].item(), state["hysteresis"].item(), state["last_overflow_iter"].item())
+        assert got == (scaler.cur_scale, scaler.cur_hysteresis, scaler.last_overflow_iter), f"step {step}"
+
+
+def test_device_scale_is_rebuilt_after_a_load() -> None:
+    scaler = DynamicLossScaler(init_scale=1024.0, scale_window=2)
+    assert scaler.device_scale(torch.device("cpu")).item() == 1024.0
+    scaler.load_state_dict({"cur_scale": 32.0, "cur_iter": 5, "last_overflow_iter": 4, "cur_hysteresis": 1})
+    assert scaler.device_scale(torch.device("cpu")).item() == 32.0
+    static = LossScaler(128.0)
+    static.update_on_device(torch.tensor(True), torch.device("cpu"))
+    assert static.device_scale(torch.device("cpu")).item() == 128.0

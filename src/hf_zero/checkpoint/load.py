@@ -355,6 +355,8 @@ def load_checkpoint(
     refused unless ``allow_unverified=True``: the risk of loading data nothing can verify
     (see [Note: verified loads]).
     """
+    if engine.optimizer is not None:  # a pending step's records are put right before any is replaced
+        engine.optimizer.settle()
     with engine.comm.during(f"load_checkpoint({os.fspath(load_dir)!r}) at optimizer step {engine.global_steps}"):
         return _load(engine, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only,
                      allow_unverified)

@@ -294,6 +294,8 @@ def save_checkpoint(engine: EngineState, save_dir: str | os.PathLike[str], tag: 
     save_dir = os.path.abspath(os.fspath(save_dir))
     tag = default_tag(engine) if tag is None else str(tag)
     client_state = {} if client_state is None else client_state
+    if engine.optimizer is not None:  # the host's records of a step taken on the device, read first
+        engine.optimizer.settle()
     with comm.during(f"save_checkpoint({save_dir!r}, tag={tag!r}) after optimizer step {engine.global_steps}"):
         return _save(engine, save_dir, tag, client_state)
 

@@ -29,7 +29,7 @@ from hf_zero.comm.process_group import leave_gloo_groups_at_exit
 from hf_zero.execution import (
     AsyncOrderError, Completion, WrongDeviceError, check_launch, execution_for, late_completion, rank_device,
 )
-from hf_zero.transfer import assert_not_host
+from hf_zero.transfer import assert_not_host, mark_host
 
 
 # The single-tensor collectives under the names of the installed torch: ``*_single`` from torch
@@ -69,6 +69,40 @@ def _make_grad_group(group: dist.ProcessGroup | None, timeout_s: float | None) -
             # Make the NCCL communicator now, at initialize, on every rank together: created
             # lazily, it would be made inside the first backward's first reduce-scatter.
             dist.all_reduce(torch.zeros(1, device=rank_device()), group=made)
+
+
+# [Note: the host group]
+# What the ranks decide together on the host (that they start a phase together, [Note: phases in
+# step]; which parameters some rank used, [Note: parameters no rank used]) goes over a process
+# group of host tensors, never over the compute device's: an all-gather of a device tensor whose
+# result the host reads makes the host wait for everything the GPU has queued before it, and a
+# list copied onto the device from pageable memory does too ([Note: host synchronisations] in
+# hf_zero.execution.host_sync). Over gloo the exchange waits for the other ranks' hosts only, so
+# the GPU's queue stays full while they agree. On gloo (and torch's fake group) that is the
+# caller's group itself; on NCCL a gloo group over the same ranks, made once per process group at
+# initialize (collective: every rank makes it, in the same order) and destroyed at exit with the
+# others ([Note: leaving a gloo group]). Its buffers are allocated once per communicator and
+# registered as host memory.
+_HOST_GROUPS: dict[object, dist.ProcessGroup] = {}
+_HOST_BACKENDS = ("gloo", "fake")
+
+
+def _host_group(group: dist.ProcessGroup | None, timeout_s: float | None) -> dist.ProcessGroup | None:
+    """The group of host tensors over the ranks of ``group`` ([Note: the host group])."""
+    backend = dist.get_backend(group)
+    if any(name in backend for name in _HOST_BACKENDS):  # "gloo", "fake", "cpu:gloo,cuda:nccl"
+        return group
+    key = _grad_group_key(group)
+    if key not in _HOST_GROUPS:
+        ranks = dist.get_process_group_ranks(group) if group is not None else None
+        kwargs = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+        _HOST_GROUPS[key] = dist.new_group(ranks=ranks, backend="gloo", **kwargs)
+    return _HOST_GROUPS[key]
+
+
+def host_groups() -> list[dist.ProcessGroup]:
+    """The host groups hf_zero made beside a non-gloo default group (destroyed at exit)."""
+    return list(_HOST_GROUPS.values())
 
 
 # [Note: hybrid sharding]
@@ -124,6 +158,7 @@ def _make_mesh(group: dist.ProcessGroup | None, shard_size: int, timeout_s: floa
 def _release_groups() -> None:
     _GRAD_GROUPS.clear()
     _MESHES.clear()
+    _HOST_GROUPS.clear()
 
 
 class CollectiveError(RuntimeError):
@@ -234,8 +269,11 @@ class Communicator:
         self.replicas = self.global_world_size // self.world_size
         if self.world_size > 1:  # see [Note: two process groups]
             _make_grad_group(self.shard_group, timeout_s)
+        # Phase check-ins and used-parameter flags: [Note: the host group].
+        self.host_group = _host_group(group, timeout_s) if self.global_world_size > 1 else None
+        self._host_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         if self.global_world_size > 1:
-            leave_gloo_groups_at_exit(release_own_references=_release_groups)
+            leave_gloo_groups_at_exit(release_own_references=_release_groups, host_groups=host_groups)
         self.stats = CommStats()
         # When a list: every collective issued, in issue order, as (kind, label): what
         # [Note: one order for both groups] is checked against.
@@ -428,20 +466,42 @@ class Communicator:
                 dist.broadcast(tensor, src=src, group=self.group)
         return tensor
 
-    def exchange_phase(self, values: tuple[int, ...], device: torch.device, phase: str) -> list[tuple[int, ...]]:
+    def exchange_on_host(self, values: tuple[int, ...] | list[int], phase: str) -> list[tuple[int, ...]]:
         """Every rank's ``values`` (a few integers, the same count on every rank) in one
-        fixed-size all-gather whose result the host reads: [Note: phases in step] in
-        hf_zero.comm.phases. Traced, not counted as model traffic."""
+        fixed-size all-gather over [Note: the host group], whose result the host reads without
+        waiting for the compute device. Traced, not counted as model traffic."""
         if not self.active:
             return [tuple(values)]
-        mine = torch.tensor(values, dtype=torch.int64, device=device)
-        everyone = torch.empty(self.global_world_size * len(values), dtype=torch.int64, device=device)
+        mine, everyone = self._host_buffer(len(values))
+        mine.copy_(torch.tensor(values, dtype=torch.int64))
         if self.trace is not None:
             self.trace.append(("phase", phase))
         with record_function(f"hf_zero::phase::{phase}"), self._reporting("phase check", phase):
-            _ALL_GATHER(everyone, mine, group=self.group)
+            _ALL_GATHER(everyone, mine, group=self.host_group)
         rows = everyone.view(self.global_world_size, len(values)).tolist()
         return [tuple(row) for row in rows]
+
+    def any_on_host(self, flags: list[bool], label: str) -> list[bool]:
+        """Per position, whether some rank's ``flags`` is set: an all-reduce over [Note: the host
+        group] (the host reads it without waiting for the compute device)."""
+        if not self.active:
+            return list(flags)
+        mine = mark_host(torch.tensor(flags, dtype=torch.int32))
+        if self.trace is not None:
+            self.trace.append(("host_any", label))
+        with record_function(f"hf_zero::host_any::{label}"), self._reporting("all-reduce on the host", label):
+            dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.host_group)
+        return [bool(v) for v in mine.tolist()]
+
+    def _host_buffer(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's and every rank's int64 buffers for an exchange of ``count`` values, made
+        once and registered as host memory ([Note: host-device transfers])."""
+        found = self._host_buffers.get(count)
+        if found is None:
+            mine = mark_host(torch.zeros(count, dtype=torch.int64))
+            everyone = mark_host(torch.zeros(self.global_world_size * count, dtype=torch.int64))
+            found = self._host_buffers[count] = (mine, everyone)
+        return found
 
     def all_gather_objects(self, obj: object) -> list[object]:
         """Small Python objects (RNG states, sizes) from every rank; not counted as model traffic."""

@@ -100,11 +100,14 @@ _EXIT_GRACE_S = 0.05
 _exit_hook: dict[str, bool] = {}
 
 
-def leave_gloo_groups_at_exit(release_own_references: Callable[[], None]) -> None:
+def leave_gloo_groups_at_exit(release_own_references: Callable[[], None],
+                              host_groups: Callable[[], list[Any]] = list) -> None:
     """Register (once per process) the exit hook of [Note: leaving a gloo group], and let gloo
-    workers finish after a script's own ``destroy_process_group``."""
+    workers finish after a script's own ``destroy_process_group``. ``host_groups``: the gloo
+    groups hf_zero made beside a default group of another backend ([Note: the host group] in
+    collectives.py), which the hook destroys too."""
     if not _exit_hook:
-        atexit.register(_leave_gloo_groups, release_own_references)
+        atexit.register(_leave_gloo_groups, release_own_references, host_groups)
         let_gloo_workers_finish_after_destroy()
         _exit_hook["registered"] = True
 
@@ -128,10 +131,17 @@ def _letting_gloo_workers_finish(destroy: Callable[..., None]) -> Callable[..., 
     return destroy_process_group
 
 
-def _leave_gloo_groups(release_own_references: Callable[[], None]) -> None:
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_backend() != "gloo":
+def _leave_gloo_groups(release_own_references: Callable[[], None], host_groups: Callable[[], list[Any]]) -> None:
+    if not (dist.is_available() and dist.is_initialized()):
         return
-    dist.destroy_process_group()  # every group, the ones made by new_group included
+    if dist.get_backend() != "gloo":  # NCCL is left to torch; hf_zero's own gloo groups are not
+        made = host_groups()
+        if not made:
+            return
+        for group in made:
+            dist.destroy_process_group(group)
+    else:
+        dist.destroy_process_group()  # every group, the ones made by new_group included
     release_own_references()
     gc.collect()
     time.sleep(_EXIT_GRACE_S)  # releases the GIL

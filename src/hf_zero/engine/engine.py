@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 
-from hf_zero.comm import Communicator, out_of_step
+from hf_zero.comm import Communicator, check_in, out_of_step
 from hf_zero.engine.sharding.buffer_pool import BufferPool
 from hf_zero.engine.schedule.compiled_units import compile_units, is_compiled, training_without_cache
 from hf_zero.engine.schedule.hooks import UnitProtocol
@@ -63,7 +64,9 @@ class ZeroEngine(nn.Module):
         self.micro_steps = 0
         self.global_samples = 0
         self._boundary_override: bool | None = None
-        self._step_applied = False
+        # Whether the last step() call reached the accumulation boundary (and so stepped, unless
+        # the step turns out to have been skipped: was_step_applied).
+        self._stepped_at_last_call = False
         self._last_step_time_s: float | None = None
         self._last_backward_end_s: float | None = None
         self._last_loss: torch.Tensor | None = None
@@ -92,13 +95,15 @@ class ZeroEngine(nn.Module):
     def out_of_step(self, phase: str) -> str | None:
         """How the ranks are out of step as they start ``phase`` (one of ``hf_zero.comm.phases.PHASES``),
         or None: [Note: phases in step]."""
-        return out_of_step(self.comm, self.device, phase, self.global_steps, self.micro_steps)
+        return out_of_step(self.comm, phase, self.global_steps, self.micro_steps)
 
-    def check_in(self, phase: str) -> None:
-        """Raise :class:`RankDisagreementError` on every rank unless all start ``phase`` together."""
-        problem = self.out_of_step(phase)
-        if problem is not None:
-            raise RankDisagreementError(f"{phase} refused on every rank: {problem}")
+    def check_in(self, phase: str, payload: int = 0) -> list[int]:
+        """Raise :class:`RankDisagreementError` on every rank unless all start ``phase`` together;
+        returns every rank's ``payload`` ([Note: phases in step])."""
+        found = check_in(self.comm, phase, self.global_steps, self.micro_steps, payload)
+        if found.problem is not None:
+            raise RankDisagreementError(f"{phase} refused on every rank: {found.problem}")
+        return found.payloads
 
     def _progress(self) -> str:
         return (f"optimizer step {self.global_steps + 1} (micro-step {self.micro_steps + 1}, "
@@ -129,13 +134,19 @@ class ZeroEngine(nn.Module):
 
     @property
     def loss_scale(self) -> float:
+        """The fp16 loss scale (1.0 without fp16); reads the last step's outcome ([Note: a step
+        the host does not wait for])."""
         scaler = self.optimizer.loss_scaler if self.optimizer is not None else None
-        return float(scaler.loss_scale) if scaler is not None else 1.0
+        if scaler is None:
+            return 1.0
+        self.optimizer.settle()
+        return float(scaler.loss_scale)
 
     @property
     def skipped_steps(self) -> int:
         if self.optimizer is None:
             return 0
+        self.optimizer.settle()
         scaler = self.optimizer.loss_scaler
         scaler_skipped = int(getattr(scaler, "skipped_steps", 0)) if scaler is not None else 0
         return scaler_skipped + self.optimizer.nonfinite_skipped_steps
@@ -143,6 +154,7 @@ class ZeroEngine(nn.Module):
     def get_lr(self) -> list[float]:
         if self.optimizer is None:
             return []
+        self.optimizer.settle()  # a skipped step puts the scheduler's step back
         return [float(group["lr"]) for group in self.optimizer.param_groups]
 
     # ------------------------------------------------------------------ training
@@ -175,8 +187,9 @@ class ZeroEngine(nn.Module):
         scaled = loss
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             scaled = scaled / self.gradient_accumulation_steps()
-        if self.loss_scale != 1.0:
-            scaled = scaled * self.loss_scale
+        scaler = self.optimizer.loss_scaler if self.optimizer is not None else None
+        if scaler is not None:  # on the device: [Note: the loss scale on the device]
+            scaled = scaler.scale_loss(scaled)
         if self._timers is None:
             scaled.backward(retain_graph=retain_graph)
         else:
@@ -192,30 +205,44 @@ class ZeroEngine(nn.Module):
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """At the accumulation boundary: unscale, clip, optimizer step, scheduler step, zero
         grads. In between: only count the micro-step."""
-        self._step_applied = False
+        self._stepped_at_last_call = False
         if self.is_gradient_accumulation_boundary():
             if self.optimizer is None:
                 raise RuntimeError(
                     "engine.step() needs an optimizer: put an \"optimizer\" section in the config "
                     "or pass optimizer= to hf_zero.initialize"
                 )
-            self.check_in("optimizer step")
+            # Whether some rank left a parameter without a gradient rides on the check-in.
+            unused = self.check_in("optimizer step", payload=self.optimizer.unused_here())
             start = time.perf_counter()
             if self._timers is not None:
                 self._timers.start("step")
             self.protocol.release_all()  # a unit kept gathered would go stale
             try:
-                self.optimizer.step()
+                self.optimizer.step(some_rank_left_unused=any(unused))
             except FloatingPointError:  # a dropped step ([Note: non-finite steps]) still ends the boundary
                 self._end_boundary(start)
                 raise
-            self._step_applied = not self.optimizer.overflow
-            if self._step_applied and self.lr_scheduler is not None:
-                self.lr_scheduler.step(**(lr_kwargs or {}))
+            self._stepped_at_last_call = True
+            self._step_scheduler(lr_kwargs)
             self._end_boundary(start)
             self._maybe_print_progress()
+            # A step read since the last one had inf/nan gradients ([Note: a step the host does
+            # not wait for]): this one was taken, and that one's error is raised now.
+            self.optimizer.raise_deferred()
             return
         self.micro_steps += 1
+
+    def _step_scheduler(self, lr_kwargs: dict[str, Any] | None) -> None:
+        """The scheduler steps with an applied step. A step whose outcome the host has not read
+        yet is taken as applied, and the scheduler's step is put back if it was not."""
+        if self.lr_scheduler is None:
+            return
+        if self.optimizer.outcome_pending:
+            self.optimizer.on_skipped(_scheduler_undo(self.lr_scheduler, self.optimizer))
+        elif self.optimizer.overflow:
+            return
+        self.lr_scheduler.step(**(lr_kwargs or {}))
 
     def _end_boundary(self, start: float) -> None:
         """Count an optimizer step, applied or skipped (DeepSpeed counts skipped steps too), so
@@ -270,7 +297,9 @@ class ZeroEngine(nn.Module):
         return len(self.units) > 1 and all(is_compiled(u.module) for u in self.units[:-1])
 
     def was_step_applied(self) -> bool:
-        return self._step_applied
+        """Whether the last ``step()`` call took an optimizer step that stood (reads its outcome:
+        [Note: a step the host does not wait for])."""
+        return self._stepped_at_last_call and not self.optimizer.overflow
 
     def get_global_grad_norm(self) -> float | None:
         """The global gradient norm (before clipping) of the last optimizer step."""
@@ -390,3 +419,16 @@ class ZeroEngine(nn.Module):
             load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
             allow_unverified=allow_unverified,
         )
+
+
+def _scheduler_undo(scheduler: Any, optimizer: ZeroOptimizer) -> Callable[[], None]:
+    """What puts ``scheduler`` and the learning rates it writes back as they are now."""
+    state = copy.deepcopy(scheduler.state_dict())
+    lrs = [group["lr"] for group in optimizer.param_groups]
+
+    def undo() -> None:
+        scheduler.load_state_dict(state)
+        for group, lr in zip(optimizer.param_groups, lrs):
+            group["lr"] = lr
+
+    return undo

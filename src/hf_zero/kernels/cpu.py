@@ -22,6 +22,8 @@ from typing import Sequence
 
 import torch
 
+from hf_zero.execution.host_sync import host_code
+
 # 2 MiB of fp32 per chunk: the scratch gradient, master and out chunks stay within a 32 MiB L3.
 CPU_CHUNK_NUMEL = 1 << 19
 
@@ -59,11 +61,19 @@ def fused_adam_cpu_(
     grad_scale: float = 1.0,
     clip_coef: float = 1.0,
     out: torch.Tensor | None = None,
+    factors: torch.Tensor | None = None,
 ) -> None:
-    """Same contract as ``reference.fused_adam_``; arguments are already validated."""
+    """Same contract as ``reference.fused_adam_``; arguments are already validated. The step
+    ``factors`` are read here, on the host, where they already are ([Note: host synchronisations]
+    in hf_zero.execution.host_sync)."""
     numel = master.numel()
     if numel == 0:
         return
+    if factors is not None:
+        with host_code():
+            grad_scale, clip_coef, skip = factors.tolist()
+        if skip:
+            return
     fused = torch._fused_adamw_ if adamw else torch._fused_adam_
     # The fused kernels read the (already incremented) step from a float tensor per parameter.
     state_steps = [torch.tensor(float(step), dtype=torch.float32)]
@@ -124,7 +134,9 @@ def nonfinite_and_sqnorm_cpu(tensors: Sequence[torch.Tensor]) -> tuple[torch.Ten
     there is none; only a non-finite sum (a real overflow, or finite values near 1e20 whose squares
     overflow fp32) pays for the separate element-wise scan the reference does."""
     sqnorm = _sqnorm_fp64(tensors).float()
-    if torch.isfinite(sqnorm):
+    with host_code():  # see [Note: host synchronisations] in hf_zero.execution.host_sync
+        finite = bool(torch.isfinite(sqnorm))
+    if finite:
         return torch.zeros((), dtype=torch.bool), sqnorm
     found = torch.zeros((), dtype=torch.bool)
     for tensor in tensors:

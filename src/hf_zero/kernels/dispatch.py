@@ -29,6 +29,7 @@ from hf_zero.kernels.validate import check_adam_hparams
 from hf_zero.kernels.validate import check_adam_tensors
 from hf_zero.kernels.validate import check_bucket
 from hf_zero.kernels.validate import check_norm_tensors
+from hf_zero.kernels.validate import check_step_factors
 
 logger = logging.getLogger("hf_zero")
 
@@ -121,15 +122,26 @@ def fused_adam_(
     grad_scale: float = 1.0,
     clip_coef: float = 1.0,
     out: torch.Tensor | None = None,
+    factors: torch.Tensor | None = None,
 ) -> None:
-    """Adam/AdamW step in place on flat fp32 ``master``/moments; see ``reference.fused_adam_``."""
+    """Adam/AdamW step in place on flat fp32 ``master``/moments; see ``reference.fused_adam_``.
+
+    [Note: step factors]
+    The loss scale and the clip coefficient are known on the host only once the global gradient
+    norm has been read back, which makes the host wait for the whole backward. ``factors`` is
+    instead a 3-element fp32 tensor on the compute device, ``[grad_scale, clip_coef, skip]``,
+    computed there by the step's measure (hf_zero.engine.optim.step_pipeline): the Triton kernel
+    loads it, and a non-zero ``skip`` (some gradient on some rank was inf/nan) masks every load
+    and store, so the step changes nothing; the CPU backend reads it on the host, where it is;
+    the reference computes with it as tensors. ``grad_scale`` and ``clip_coef`` stay 1.0 then."""
     check_adam_tensors(master, grad, exp_avg, exp_avg_sq, out)
     hparams = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
                    grad_scale=grad_scale, clip_coef=clip_coef)
     check_adam_hparams(**hparams)
+    check_step_factors(factors, master, grad_scale, clip_coef)
     _check_device(master, "fused_adam_")
     impl = _adam_impl(backend_for(master, "fused_adam_"))
-    impl(master, grad, exp_avg, exp_avg_sq, adamw=adamw, out=out, **hparams)
+    impl(master, grad, exp_avg, exp_avg_sq, adamw=adamw, out=out, factors=factors, **hparams)
 
 
 def pack_for_reduce_scatter(

@@ -17,6 +17,7 @@ from hf_zero.kernels.validate import check_adam_hparams
 from hf_zero.kernels.validate import check_adam_tensors
 from hf_zero.kernels.validate import check_bucket
 from hf_zero.kernels.validate import check_norm_tensors
+from hf_zero.kernels.validate import check_step_factors
 
 
 @torch.no_grad()  # an optimizer step: parameters change in place, autograd must not record it
@@ -36,16 +37,26 @@ def fused_adam_(
     grad_scale: float = 1.0,
     clip_coef: float = 1.0,
     out: torch.Tensor | None = None,
+    factors: torch.Tensor | None = None,
 ) -> None:
     """One Adam (``adamw=False``, L2 decay) or AdamW (decoupled decay) step, in place.
 
     ``grad`` is read as ``grad.float() / grad_scale * clip_coef`` and is never modified.
     ``step`` is 1-based (the bias correction of the first update uses step=1). When ``out`` is
     given it receives the updated master cast to ``out.dtype`` (the compute copy).
+
+    ``factors`` ([Note: step factors]): a 3-element fp32 tensor on the tensors' device,
+    ``[grad_scale, clip_coef, skip]``, used instead of the two arguments (which stay 1.0); when
+    ``skip`` is not 0 nothing is changed.
     """
     check_adam_tensors(master, grad, exp_avg, exp_avg_sq, out)
     check_adam_hparams(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
                        grad_scale=grad_scale, clip_coef=clip_coef)
+    check_step_factors(factors, master, grad_scale, clip_coef)
+    if factors is not None:
+        _adam_with_factors(master, grad, exp_avg, exp_avg_sq, out, factors, lr=lr, beta1=beta1, beta2=beta2,
+                           eps=eps, weight_decay=weight_decay, step=step, adamw=adamw)
+        return
     # Out-of-place ops on g: grad.float() is grad itself when grad is fp32.
     g = grad.float()
     if grad_scale != 1.0:
@@ -65,6 +76,31 @@ def fused_adam_(
     master.addcdiv_(exp_avg, denom, value=-step_size)
     if out is not None:
         out.copy_(master)
+
+
+def _adam_with_factors(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                       out: torch.Tensor | None, factors: torch.Tensor, *, lr: float, beta1: float, beta2: float,
+                       eps: float, weight_decay: float, step: int, adamw: bool) -> None:
+    """The step with device ``factors``: computed on copies, kept where ``skip`` is 0. The
+    arithmetic is the float path's, with the scale and coefficient as 0-d tensors."""
+    state = [master, exp_avg, exp_avg_sq] + ([out] if out is not None else [])
+    new = [t.clone() for t in state]
+    g = grad.float() / factors[0] * factors[1]
+    p, m, v = new[0], new[1], new[2]
+    if weight_decay != 0.0:
+        if adamw:
+            p.mul_(1.0 - lr * weight_decay)
+        else:
+            g = g.add(p, alpha=weight_decay)
+    m.lerp_(g, 1.0 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+    denom = (v.sqrt() / math.sqrt(1.0 - beta2**step)).add_(eps)
+    p.addcdiv_(m, denom, value=-(lr / (1.0 - beta1**step)))
+    if out is not None:
+        new[3].copy_(p)
+    keep = factors[2] != 0
+    for target, updated in zip(state, new):
+        target.copy_(torch.where(keep, target, updated))
 
 
 def pack_for_reduce_scatter(

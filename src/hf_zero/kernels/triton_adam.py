@@ -22,10 +22,11 @@ NUM_WARPS = 8
 
 @triton.jit
 def _fused_adam_kernel(
-    master_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, out_ptr, numel,
+    master_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, out_ptr, factors_ptr, numel,
     grad_scale, clip_coef, decay, weight_decay, lerp_coeff, beta2, one_minus_beta2,
     step_size, bias_correction2_sqrt, eps,
-    ADAMW: tl.constexpr, LERP_FROM_M: tl.constexpr, HAS_OUT: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    ADAMW: tl.constexpr, LERP_FROM_M: tl.constexpr, HAS_OUT: tl.constexpr, FACTORS_ON_DEVICE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
 ):
     """p, m, v, g as torch.optim.Adam(W) computes them, operation for operation:
 
@@ -37,7 +38,13 @@ def _fused_adam_kernel(
     """
     # int64 offsets: a shard may exceed 2**31 elements.
     offsets = tl.program_id(0).to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-    mask = offsets < numel
+    if FACTORS_ON_DEVICE:  # [grad_scale, clip_coef, skip] computed on the device: [Note: step factors]
+        grad_scale = tl.load(factors_ptr)
+        clip_coef = tl.load(factors_ptr + 1)
+        # A skipped step reads and writes nothing: no element is in range.
+        mask = offsets < tl.where(tl.load(factors_ptr + 2) == 0.0, numel, 0)
+    else:
+        mask = offsets < numel
     p = tl.load(master_ptr + offsets, mask=mask)
     g = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
     m = tl.load(exp_avg_ptr + offsets, mask=mask)
@@ -84,6 +91,7 @@ def fused_adam_triton_(
     grad_scale: float = 1.0,
     clip_coef: float = 1.0,
     out: torch.Tensor | None = None,
+    factors: torch.Tensor | None = None,
 ) -> None:
     """Launcher; same contract as ``reference.fused_adam_``, arguments already validated."""
     numel = master.numel()
@@ -98,7 +106,8 @@ def fused_adam_triton_(
     )]
     # enable_fp_fusion=False: no FMA contraction, so the rounding follows torch's op by op.
     _fused_adam_kernel[(triton.cdiv(numel, BLOCK_SIZE),)](
-        master, grad, exp_avg, exp_avg_sq, out if out is not None else master, numel, *scalars,
-        ADAMW=adamw, LERP_FROM_M=lerp_from_m, HAS_OUT=out is not None, BLOCK_SIZE=BLOCK_SIZE,
-        num_warps=NUM_WARPS, enable_fp_fusion=False,
+        master, grad, exp_avg, exp_avg_sq, out if out is not None else master,
+        factors if factors is not None else master, numel, *scalars,
+        ADAMW=adamw, LERP_FROM_M=lerp_from_m, HAS_OUT=out is not None, FACTORS_ON_DEVICE=factors is not None,
+        BLOCK_SIZE=BLOCK_SIZE, num_warps=NUM_WARPS, enable_fp_fusion=False,
     )

@@ -68,6 +68,22 @@ def check_adam_hparams(
         raise ValueError(f"grad_scale must be a finite number > 0 (the loss scale), found {grad_scale}")
 
 
+def check_step_factors(factors: torch.Tensor | None, master: torch.Tensor, grad_scale: float,
+                       clip_coef: float) -> None:
+    """[Note: step factors] in hf_zero.kernels: three fp32 elements on master's device, and the
+    float arguments they replace left at 1.0. Their values are not read: they are on the device."""
+    if factors is None:
+        return
+    if factors.dtype != torch.float32 or factors.numel() != 3 or not factors.is_contiguous():
+        raise ValueError(f"factors must be 3 contiguous fp32 elements [grad_scale, clip_coef, skip], found "
+                         f"{factors.numel()} of {factors.dtype}")
+    if factors.device != master.device:
+        raise ValueError(f"factors is on {factors.device}, expected {master.device} like master")
+    if grad_scale != 1.0 or clip_coef != 1.0:
+        raise ValueError("pass grad_scale and clip_coef either as floats or in factors, not both "
+                         f"(found grad_scale={grad_scale}, clip_coef={clip_coef} with factors)")
+
+
 def _check_units(name: str, units: Sequence[torch.Tensor], world_size: int, device: torch.device) -> int:
     total = 0
     for index, unit in enumerate(units):

@@ -20,7 +20,7 @@ fused Adam and NVMe kinds also step one group alone, unscaled (``apply_group``):
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
@@ -40,6 +40,9 @@ class InnerStep:
 
     # Steps whole tensors, so the elements of parameters no rank used are put back after it.
     puts_back_unused = False
+    # Takes the loss scale, the clip coefficient and the skip flag as device [Note: step factors]
+    # (apply_on_device): [Note: a step the host does not wait for] in step_pipeline.py.
+    skips_on_device = False
 
     def __init__(self, inner: torch.optim.Optimizer) -> None:
         self.inner = inner
@@ -50,12 +53,21 @@ class InnerStep:
         gradients divided by ``scale`` and multiplied by ``clip_coef``."""
         with _skipping_unused(groups, used, self.inner, put_back_partial=self.puts_back_unused):
             self._step(groups, scale, clip_coef)
+        self._after_first_step()
+
+    def _after_first_step(self) -> None:
         if not self.stepped:  # once, after the first step: [Note: memory kept for the run]
             hand_back_free_heap_pages()
         self.stepped = True
 
     def _step(self, groups: list[FlatParamGroup], scale: float, clip_coef: float) -> None:
         raise NotImplementedError
+
+    def apply_on_device(self, groups: list[FlatParamGroup], used: list[list[bool]],
+                        factors: torch.Tensor) -> Callable[[], None]:
+        """As :meth:`apply`, with the scale, the coefficient and the skip flag in device
+        ``factors``; returns what puts the host's records of the step back if it was skipped."""
+        raise NotImplementedError(f"{type(self).__name__} reads the step factors on the host")
 
     def apply_group(self, group: FlatParamGroup) -> None:
         """The step of one group without loss scale or clipping (the overlapped offload step)."""
@@ -86,9 +98,23 @@ class FlatAdamInnerStep(InnerStep):
 
     inner: ZeroAdam
 
+    def __init__(self, inner: torch.optim.Optimizer, groups: list[FlatParamGroup]) -> None:
+        super().__init__(inner)
+        # Masters on the compute device: the kernels take the step factors there. A master on
+        # the host (offload_optimizer) is stepped by the host, which reads them anyway.
+        self.skips_on_device = all(not g.offload.optimizer_on_host for g in groups)
+
     def _step(self, groups: list[FlatParamGroup], scale: float, clip_coef: float) -> None:
         self.inner.step(grad_scale=scale, clip_coef=clip_coef)
         self.refresh_compute_copies(groups)
+
+    def apply_on_device(self, groups: list[FlatParamGroup], used: list[list[bool]],
+                        factors: torch.Tensor) -> Callable[[], None]:
+        with _skipping_unused(groups, used, self.inner, put_back_partial=False):
+            counts = self.inner.step(factors=factors)
+            self.refresh_compute_copies(groups)
+        self._after_first_step()
+        return lambda: self.inner.put_back_counts(counts)
 
     def apply_group(self, group: FlatParamGroup) -> None:
         self.inner.step_master(group.master_state.tensor, self.hyper_of(group))

@@ -79,6 +79,18 @@ def _non_negative_int(value: Any, name: str) -> int:
     return _int_at_least(value, 0, name)
 
 
+# [Note: the loss scale on the device]
+# The scale a backward multiplies the loss by, and the one the step divides out, are also kept as
+# device tensors and moved on the device by the same rule (update_on_device, torch.where over
+# 0-d tensors, as torch._amp_update_scale_ does for torch's GradScaler), so that a step whose
+# overflow check stays on the device ([Note: a step the host does not wait for] in
+# step_pipeline.py) never makes the host read it. The host values above stay the record
+# (state_dict, what the engine reports): update_scale replays the same step on them once the
+# host has read whether it overflowed, and the device tensors are rebuilt from them after a
+# load (torch.full: a fill on the device, no copy from host memory). The scale is float64 there,
+# as the host's Python float is; the kernels take it as fp32, as they did the float.
+
+
 class LossScaler:
     """A fixed loss scale (``fp16.loss_scale > 0``). Overflowing steps are still skipped and counted."""
 
@@ -87,6 +99,7 @@ class LossScaler:
     def __init__(self, scale: float = 1.0) -> None:
         self.cur_scale = _positive_finite(scale, "loss scale (fp16.loss_scale)")
         self.skipped_steps = 0
+        self._device: dict[str, torch.Tensor] | None = None  # [Note: the loss scale on the device]
 
     @property
     def loss_scale(self) -> float:
@@ -94,7 +107,31 @@ class LossScaler:
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Multiply the loss by the scale before backward, so small fp16 gradients do not flush to 0."""
-        return loss * self.loss_scale
+        return loss * self.device_scale(loss.device).to(loss.dtype)
+
+    # ------------------------------------------------------------------ on the device
+    def device_scale(self, device: torch.device) -> torch.Tensor:
+        """The current scale as a 0-d float64 tensor on ``device``."""
+        return self._device_state(device)["scale"]
+
+    def update_on_device(self, overflow: torch.Tensor, device: torch.device) -> None:
+        """The device side of :meth:`update_scale` for one step whose overflow flag (a 0-d bool)
+        is on the device: a fixed scale does not move."""
+
+    def _device_state(self, device: torch.device) -> dict[str, torch.Tensor]:
+        state = self._device
+        if state is None or state["scale"].device != torch.device(device):
+            state = self._device = {name: torch.full((), float(value), dtype=torch.float64, device=device)
+                                    for name, value in self._host_values().items()}
+        return state
+
+    def _host_values(self) -> dict[str, float]:
+        return {"scale": self.cur_scale}
+
+    def rebuild_device_state(self) -> None:
+        """The host values changed outside :meth:`update_on_device` (a load, a host-side
+        update): the device tensors are made again from them at their next use."""
+        self._device = None
 
     def update_scale(self, overflow: bool) -> None:
         """Record the outcome of one optimizer step; the static scale itself never moves."""
@@ -108,6 +145,7 @@ class LossScaler:
         # The scale comes from the config; only the counter is run state. A dynamic state is
         # accepted too, so a run stuck under dynamic scaling can resume with a fixed scale.
         self.skipped_steps = _non_negative_int(state_dict.get("skipped_steps", 0), "state_dict['skipped_steps']")
+        self.rebuild_device_state()
 
 
 class DynamicLossScaler(LossScaler):
@@ -164,6 +202,30 @@ class DynamicLossScaler(LossScaler):
         else:
             self._on_clean_step()
         self.cur_iter += 1
+
+    def update_on_device(self, overflow: torch.Tensor, device: torch.device) -> None:
+        """:meth:`update_scale`'s rule on the device tensors, for the step ``cur_iter`` (the host's
+        count: it replays every earlier step before this one is taken)."""
+        state = self._device_state(device)
+        scale, hysteresis, last_overflow = state["scale"], state["hysteresis"], state["last_overflow_iter"]
+        now = float(self.cur_iter)
+        # An overflow: halve (never below the minimum) once the hysteresis is spent, else spend one.
+        halve = overflow if self.delayed_shift == 1 else overflow & (hysteresis == 1)
+        lowered = torch.clamp(scale / self.scale_factor, min=self.min_scale)
+        # A clean step: grow on the scale_window + 1-th clean step in a row.
+        stable = now - last_overflow - 1
+        grow = ~overflow & (stable > 0) & (torch.remainder(stable, self.scale_window) == 0)
+        refill = ~overflow if self.consecutive_hysteresis else grow
+        new_scale = torch.where(halve, lowered, torch.where(grow, scale * self.scale_factor, scale))
+        new_hysteresis = torch.where(refill, float(self.delayed_shift),
+                                     torch.where(overflow & ~halve, hysteresis - 1, hysteresis))
+        state["scale"] = new_scale
+        state["hysteresis"] = new_hysteresis
+        state["last_overflow_iter"] = torch.where(overflow, now, last_overflow)
+
+    def _host_values(self) -> dict[str, float]:
+        return {"scale": self.cur_scale, "hysteresis": self.cur_hysteresis,
+                "last_overflow_iter": self.last_overflow_iter}
 
     def _on_overflow(self) -> None:
         if self.delayed_shift == 1 or self.cur_hysteresis == 1:
@@ -234,6 +296,7 @@ class DynamicLossScaler(LossScaler):
         self.last_overflow_iter = _int_at_least(last_overflow_iter, -1, "state_dict['last_overflow_iter']")
         self.cur_hysteresis = _positive_int(state_dict["cur_hysteresis"], "state_dict['cur_hysteresis']")
         self.skipped_steps = _non_negative_int(state_dict.get("skipped_steps", 0), "state_dict['skipped_steps']")
+        self.rebuild_device_state()
 
 
 def build_loss_scaler(

@@ -67,18 +67,38 @@ class ZeroAdam(torch.optim.Optimizer):
         self.usage: dict[int, FlatParamGroup] = {}
 
     @torch.no_grad()
-    def step(self, closure: Callable | None = None, grad_scale: float = 1.0, clip_coef: float = 1.0):  # type: ignore[override]
+    def step(self, closure: Callable | None = None, grad_scale: float = 1.0, clip_coef: float = 1.0,
+             factors: torch.Tensor | None = None) -> Any:  # type: ignore[override]
+        """Step every master with a gradient. With device [Note: step factors] (``factors``)
+        instead of the two floats, returns the step counts as they were before, for
+        :meth:`put_back_counts` (the step may turn out to have been skipped on the device)."""
         loss = closure() if closure is not None else None
+        before: list[tuple[torch.Tensor, dict[str, Any]]] = []
         for group in self.param_groups:
             for master in group["params"]:
                 if master.grad is not None:
-                    self.step_master(master, group, grad_scale, clip_coef)
-        return loss
+                    before.append(self.step_master(master, group, grad_scale, clip_coef, factors))
+        return before if factors is not None else loss
+
+    def put_back_counts(self, before: list[tuple[torch.Tensor, dict[str, Any]]]) -> None:
+        """The step whose counts ``before`` holds changed nothing on the device: its step counts
+        go back too (a master's state made by that step goes away)."""
+        for master, counts in before:
+            state = self.state[master]
+            if counts["step"] == 0 and counts["slot_steps"] is None:  # made by that step
+                self.state.pop(master, None)
+                continue
+            state["step"] = counts["step"]
+            if counts["slot_steps"] is None:
+                state.pop("slot_steps", None)
+            else:
+                state["slot_steps"] = counts["slot_steps"]
 
     @torch.no_grad()
     def step_master(self, master: torch.Tensor, group: dict[str, Any], grad_scale: float = 1.0,
-                    clip_coef: float = 1.0) -> None:
-        """One fused Adam step of one flat master shard with its param group's hyperparameters."""
+                    clip_coef: float = 1.0, factors: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
+        """One fused Adam step of one flat master shard with its param group's hyperparameters;
+        returns the master and its step counts before the step."""
         from hf_zero.kernels import fused_adam_
 
         state = self.state[master]
@@ -87,6 +107,7 @@ class ZeroAdam(torch.optim.Optimizer):
             # In the heap, unlike the shards: [Note: memory kept for the run] in hf_zero.host_memory.
             state["exp_avg"] = torch.zeros_like(master)
             state["exp_avg_sq"] = torch.zeros_like(master)
+        before = {"step": state["step"], "slot_steps": state.get("slot_steps")}
         owner = self.usage.get(id(master))
         segments, used = (owner.segments, owner.params_used) if owner else ([Segment(0, 0, master.numel())], [True])
         # A checkpoint from before per-parameter counts: every parameter at the shard's count.
@@ -102,8 +123,9 @@ class ZeroAdam(torch.optim.Optimizer):
                 lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                 weight_decay=group["weight_decay"], step=run.step,
                 adamw=group["decoupled_weight_decay"], grad_scale=grad_scale,
-                clip_coef=clip_coef, out=None if out is None else out[part],
+                clip_coef=clip_coef, out=None if out is None else out[part], factors=factors,
             )
+        return master, before
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -154,7 +176,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if isinstance(inner, ZeroAdam):
             _bind_flat_adam(inner, self.groups)
         self.pipeline = StepPipeline(
-            self.groups, comm, policy, _choose_inner_step(inner, nvme, whole_params),
+            self.groups, comm, policy, _choose_inner_step(inner, self.groups, nvme, whole_params),
             gradient_clipping=gradient_clipping, allgather_bucket_numel=allgather_bucket_numel,
             loss_scaler=loss_scaler, skip_nonfinite=skip_nonfinite)
         self.overlapped: OverlappedOffloadStep | None = overlapped(self.pipeline) if overlapped is not None else None
@@ -179,10 +201,35 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return f"ZeroOptimizer(stage={self.policy.preset_stage}, inner={type(self.inner).__name__})"
 
     def state_dict(self) -> dict[str, Any]:
+        self.settle()  # the step counts of a step taken on the device: [Note: a step the host does not wait for]
         return self.inner.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.settle()
         self.inner.load_state_dict(state_dict)
+
+    def settle(self) -> None:
+        """Read the outcome of a step taken on the device, if one is pending (a wait for the
+        device): [Note: a step the host does not wait for] in hf_zero.engine.optim.step_pipeline."""
+        self.pipeline.settle()
+
+    @property
+    def outcome_pending(self) -> bool:
+        """The last step was taken on the device and the host has not read its outcome yet."""
+        return self.pipeline.pending is not None
+
+    def on_skipped(self, undo: Callable[[], None]) -> None:
+        """Run ``undo`` if the pending step turns out to have been skipped."""
+        self.pipeline.on_skipped(undo)
+
+    def raise_deferred(self) -> None:
+        """Raise the FloatingPointError of an earlier step whose outcome was read since."""
+        self.pipeline.raise_deferred()
+
+    def unused_here(self) -> int:
+        """How many parameters got no gradient on this rank since the last step (the step's
+        check-in carries it: [Note: phases in step])."""
+        return self.pipeline.unused_here()
 
     # ------------------------------------------------------------------ what the last step did
     @property
@@ -217,15 +264,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.pipeline.zero_grad()
 
     @torch.no_grad()
-    def step(self, closure: Callable | None = None) -> None:  # type: ignore[override]
+    def step(self, closure: Callable | None = None, some_rank_left_unused: bool | None = None) -> None:  # type: ignore[override]
+        """The sharded step. ``some_rank_left_unused``: whether some rank has a parameter
+        without a gradient (the engine's check-in says; None: asked over the host group)."""
         self._opt_called = True  # what torch LR schedulers check to see the step happened first
         if self.overlapped is not None:
             # Whether this rank's worker got any group depends on its own path; the step's
             # collectives must not: every rank with the overlapped step configured finishes it
             # the same way (two all-reduces), stepping here what the worker did not get.
-            self.overlapped.finish()
+            self.overlapped.finish(some_rank_left_unused)
             return
-        self.pipeline.run()
+        self.pipeline.run(some_rank_left_unused)
 
     # A torch scheduler re-pointed at this optimizer (see initialize) reads this marker, which
     # its constructor would have set by wrapping ``step``; our step is the tracked one.
@@ -245,7 +294,7 @@ def _bind_flat_adam(inner: ZeroAdam, groups: list[FlatParamGroup]) -> None:
             inner.compute_copy[id(g.master_state.tensor)] = g.storage.shard
 
 
-def _choose_inner_step(inner: torch.optim.Optimizer, nvme: NvmeOptimizerStore | None,
+def _choose_inner_step(inner: torch.optim.Optimizer, groups: list[FlatParamGroup], nvme: NvmeOptimizerStore | None,
                        whole_params: WholeParamStep | None) -> InnerStep:
     """The ``apply`` stage of this optimizer's steps, decided once."""
     if nvme is not None:
@@ -253,5 +302,5 @@ def _choose_inner_step(inner: torch.optim.Optimizer, nvme: NvmeOptimizerStore | 
     if whole_params is not None:
         return WholeParamInnerStep(inner, whole_params)
     if isinstance(inner, ZeroAdam):
-        return FlatAdamInnerStep(inner)
+        return FlatAdamInnerStep(inner, groups)
     return TorchInnerStep(inner)

@@ -100,14 +100,14 @@ class OverlappedOffloadStep:
         self.inner_step.apply_group(group)
         return float(sqnorm), False
 
-    def finish(self) -> None:
+    def finish(self, some_rank_left_unused: bool | None = None) -> None:
         """The step, at ``ZeroOptimizer.step``: wait for the worker, step what it did not get,
         then measure, and commit or roll back, as the plain step does."""
         pipeline = self.pipeline
         results = self.wait()
         # Groups this rank did not use in full were held back ([Note: parameters no rank used]):
         # step those some rank used, each parameter as the ranks used it.
-        used = pipeline.all_ranks_norm(torch.zeros(2, dtype=torch.float32, device=pipeline.device)).used
+        used = pipeline.used_over_ranks(some_rank_left_unused)
         for group, group_used in zip(pipeline.groups, used):
             if id(group) in results:  # stepped on the worker: this rank used every parameter
                 continue
@@ -116,8 +116,9 @@ class OverlappedOffloadStep:
                 results[id(group)] = self.step_group(group)
         sqnorm = sum(sq for sq, _ in results.values())
         nonfinite = any(found for _, found in results.values())
+        # The host steps these groups and has read their norms already; only two numbers move.
         local = torch.tensor([sqnorm, float(nonfinite)], dtype=torch.float32, device=pipeline.device)
-        measured = pipeline.all_ranks_norm(local)
+        measured = pipeline.read_terms(pipeline.all_ranks_terms(local))
         if measured.nonfinite:  # some group on some rank: undo every group stepped, on every rank
             pipeline.roll_back(StepOutcome.ROLLED_BACK, undo=self)
             return

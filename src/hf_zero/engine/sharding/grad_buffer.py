@@ -387,6 +387,11 @@ class GradBuffer:
             self.offload.grad_copies.land(self)
 
     @property
+    def unreceived(self) -> int:
+        """How many of the group's parameters got no gradient on this rank since the last step."""
+        return len(self.received) - sum(self.received)
+
+    @property
     def fully_received(self) -> bool:
         """Every parameter of the group got a gradient on this rank: all are used, whatever
         the other ranks did."""
