@@ -91,8 +91,9 @@ def test_counting_is_consistent(rows: list[dict]) -> None:
     # gloo], [Note: all-gather on gloo]): at world size 2 each rank sends the half of every gradient
     # buffer it does not own and its own half of every gathered unit. What the wrapper still sees
     # as all-gathers are the phase check-ins ([Note: phases in step]), which the engine does not
-    # count as traffic: three int64s per rank at each stage-3 forward, backward and optimizer step.
-    check_ins = 3 * 3 * 8 * 2
+    # count as traffic: four int64s per rank (phase, step, micro-step, payload) at each stage-3
+    # forward, backward and optimizer step.
+    check_ins = 3 * 4 * 8 * 2
     assert wrapper["all_gather"] == check_ins and wrapper["all_reduce"] == engine["all_reduce"]
     assert "reduce_scatter" not in wrapper
     assert 2 * wrapper["send"] == engine["reduce_scatter"] + engine["all_gather"] > 0

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hf_zero import kernels
+from hf_zero.kernels import dispatch
 from hf_zero.kernels import reference
 from tests.kernels.helpers import rank_major
 
@@ -85,3 +86,16 @@ def test_unit_not_divisible_by_world_size_is_refused() -> None:
 def test_buffer_of_the_wrong_length_is_refused() -> None:
     with pytest.raises(ValueError, match=r"buffer has 5 elements, expected 6"):
         kernels.unpack_after_all_gather(torch.zeros(5), 3, [torch.zeros(6)])
+
+
+@pytest.mark.skipif(dispatch.TRITON_IMPORT_ERROR is not None, reason="triton is not importable")
+def test_pointer_tables_are_kept_by_their_values() -> None:
+    """[Note: pointer tables]: a table seen before is not copied to the device again; one with
+    other values is a new table with those values."""
+    from hf_zero.kernels.triton_common import pointer_table
+
+    device = torch.device("cpu")
+    first = pointer_table([[1, 2], [3, 4]], device)
+    assert pointer_table([[1, 2], [3, 4]], device) is first
+    other = pointer_table([[1, 2], [3, 5]], device)
+    assert other is not first and other.tolist() == [[1, 2], [3, 5]] and first.tolist() == [[1, 2], [3, 4]]

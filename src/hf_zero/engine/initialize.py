@@ -28,6 +28,7 @@ from hf_zero.engine.optim.overlap_step import OverlappedOffloadStep, can_overlap
 from hf_zero.engine.schedule.rank_agreement import TIMEOUT_ENV, agree, collective_timeout_s, fingerprint
 from hf_zero.engine.optim.schedulers import build_scheduler
 from hf_zero.engine.schedule.unit import ZeroUnit
+from hf_zero.execution import read_environment
 from hf_zero.host_memory import hand_back_free_heap_pages
 from hf_zero.offload import NvmeOptimizerStore, NvmeParamStore, OffloadSettings, units_to_offload
 from hf_zero.offload.grad_copies import HostGradCopies
@@ -249,6 +250,7 @@ def initialize(
         config = config_params
     if config is None:
         raise ValueError("hf_zero.initialize needs config= (an HfZeroConfig, a dict or a JSON path)")
+    read_environment()  # HF_ZERO_CHECK_ASYNC, once for the engine: [Note: late completion]
     device = default_device()
     comm, parsed, local_error = _join_group(device, config)
     resolved = param_group_of = hyper = plan = prints = None

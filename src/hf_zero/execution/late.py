@@ -40,11 +40,25 @@ CHECK_ENV = "HF_ZERO_CHECK_ASYNC"
 _forced: list[bool] = []
 
 
+def _from_environment() -> bool:
+    return os.environ.get(CHECK_ENV, "0").lower() not in ("", "0", "false", "no", "off")
+
+
+# Read when hf_zero is imported and again by every hf_zero.initialize (read_environment), not at
+# each of the hundreds of launches a step asks about it.
+_from_env = [_from_environment()]
+
+
+def read_environment() -> None:
+    """Read ``HF_ZERO_CHECK_ASYNC`` again (``hf_zero.initialize`` does, for the engine it builds)."""
+    _from_env[0] = _from_environment()
+
+
 def late_completion() -> bool:
     """Whether [Note: late completion] is on."""
     if _forced:
         return _forced[-1]
-    return os.environ.get(CHECK_ENV, "0").lower() not in ("", "0", "false", "no", "off")
+    return _from_env[0]
 
 
 @contextlib.contextmanager

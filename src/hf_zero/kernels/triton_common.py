@@ -70,9 +70,30 @@ def is_aligned(tensors: Sequence[torch.Tensor], numels: Sequence[int]) -> bool:
     return all(t.data_ptr() % 16 == 0 for t in tensors) and all(n % ALIGN_NUMEL.value == 0 for n in numels)
 
 
-def pointer_table(rows: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
-    """An int64 [len(rows), n] table (pointers, numels, offsets) that a kernel reads per tensor.
+# [Note: pointer tables]
+# A table of pointers, numels and offsets lets one launch cover any number of tensors, but it has
+# to reach the device, and a copy of a Python list from pageable memory may make the host wait
+# for the GPU ([Note: host synchronisations] in hf_zero.execution.host_sync). The same tables
+# come back every step (the gradient shards of a norm live for the run, a bucket's buffers come
+# from the pool at the same addresses), so a table is kept on the device by its values and made
+# again only for new ones, through pinned memory with a non-blocking copy (the caching host
+# allocator keeps the staging buffer until the copy has run). A table holds values, not
+# references: a cached one is right for any tensors at those addresses with those sizes.
+_TABLES: dict[tuple[torch.device, tuple[tuple[int, ...], ...]], torch.Tensor] = {}
+_MAX_TABLES = 512
 
-    One small host-to-device copy per launch; it lets one launch cover any number of tensors.
-    """
-    return torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+
+def pointer_table(rows: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+    """An int64 [len(rows), n] table (pointers, numels, offsets) on ``device`` that a kernel
+    reads per tensor ([Note: pointer tables])."""
+    key = (device, tuple(tuple(row) for row in rows))
+    table = _TABLES.get(key)
+    if table is None:
+        host = torch.tensor(rows, dtype=torch.int64)
+        if device.type == "cuda":
+            host = host.pin_memory()
+        table = host.to(device, non_blocking=True)
+        if len(_TABLES) >= _MAX_TABLES:
+            _TABLES.pop(next(iter(_TABLES)))  # the oldest
+        _TABLES[key] = table
+    return table

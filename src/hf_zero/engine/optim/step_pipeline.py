@@ -343,7 +343,10 @@ class StepPipeline:
 
     def zero_grad(self) -> None:
         for group in self.groups:
-            group.grads.zero_shard()
+            group.grads.zero_shard(zero_tensor=False)
+        shards = [g.grads.shard for g in self.groups if g.grads.shard is not None]
+        if shards:
+            torch._foreach_zero_(shards)  # one launch for every group
 
     def _nonfinite_step(self) -> None:
         """A step whose gradients hold inf/nan on some rank, in fp32/bf16 (no loss scaler).

@@ -16,7 +16,7 @@ of backward, and before every optimizer step (an update makes a gathered copy st
 from __future__ import annotations
 
 from hf_zero.engine.policy import ShardingPolicy
-from hf_zero.engine.schedule.unit import ParamState, ZeroUnit
+from hf_zero.engine.schedule.unit import GatheredNumel, ParamState, ZeroUnit
 
 
 class GatherPlan:
@@ -38,6 +38,11 @@ class GatherPlan:
         for unit in reversed(units[:-1]):
             self.numel_after[unit.index] = after
             after += unit.sharded_numel
+        # What is gathered, kept as the units move ([Note: gathered elements, counted as they move]
+        # in unit.py): every decision below reads it in O(1).
+        self.gathered = GatheredNumel()
+        for unit in units:
+            unit.count_gathered_in(self.gathered)
 
     # ------------------------------------------------------------------ reuse
     def keeps_for_backward(self, unit: ZeroUnit, training_pass: bool) -> bool:
@@ -57,14 +62,21 @@ class GatherPlan:
 
     def live_numel(self) -> int:
         """Gathered (or gathering) elements: in a forward, the same on every rank."""
-        return sum(u.sharded_numel for u in self.units if u.is_unsharded)
+        return self.gathered.total
 
-    def live_numel_ahead(self, start: int) -> int:
-        """Gathered elements of the root and of the units from backward position ``start`` on:
-        the part of the backward's state every rank shares (units behind the cursor are freed
-        when this rank's own backward of them ends, at different times on different ranks)."""
-        ahead = self.backward_order[start:] + [self.root]
-        return sum(u.sharded_numel for u in ahead if u.is_unsharded)
+    def live_numel_ahead(self) -> int:
+        """Gathered elements of the root and of the units the backward has not passed yet (the
+        one being visited included): the part of the backward's state every rank shares (units
+        behind the cursor are freed when this rank's own backward of them ends, at different
+        times on different ranks)."""
+        return self.gathered.total - self.gathered.behind
+
+    def passed(self, unit: ZeroUnit) -> None:
+        """The backward's visit of ``unit`` has made its gather decisions: from now on it is behind."""
+        self.gathered.pass_cursor(unit)
+
+    def backward_done(self) -> None:
+        self.gathered.reset_cursor(self.units)
 
     # ------------------------------------------------------------------ prefetch
     def prefetch(self, order: list[ZeroUnit], start: int, live: int) -> None:

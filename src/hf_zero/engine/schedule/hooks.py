@@ -436,11 +436,10 @@ class UnitProtocol:
     def _gather_backward(self, unit: ZeroUnit) -> None:
         if unit.backward_reads_params:  # see [Note: units whose backward reads no parameter]
             unit.unshard()
-        if unit is self.root:
-            self.gathers.prefetch(self.backward_order, 0, self.gathers.live_numel_ahead(0))
-        else:
-            start = self.backward_position[unit.index]
-            self.gathers.prefetch(self.backward_order, start + 1, self.gathers.live_numel_ahead(start))
+        start = 0 if unit is self.root else self.backward_position[unit.index] + 1
+        self.gathers.prefetch(self.backward_order, start, self.gathers.live_numel_ahead())
+        if unit is not self.root:
+            self.gathers.passed(unit)
 
     def grad_arrived(self, unit: ZeroUnit, group: FlatParamGroup, index: int) -> None:
         """Parameter ``index`` of ``group`` got its gradient accumulated (post-accumulate-grad
@@ -456,12 +455,21 @@ class UnitProtocol:
                 "unit order on this rank. Make the module a single unit "
                 "(zero_optimization.wrap_modules) or run it in the model's order"
             )
-        group.grads.land(index)  # [Note: gradients landing in a fresh buffer]
         group.grads.received[index] = True  # [Note: parameters no rank used]
+        if group.grads.lands_at_once[index]:
+            group.grads.land_one(index)  # [Note: gradients landing in a fresh buffer]
         unit.pending_grads -= 1
         if unit.pending_grads == 0:
-            self._maybe_release(unit)  # the parameters; the gradients may still be in flight
-            self._grads_ready(unit)
+            self.post_backward(unit)
+
+    def post_backward(self, unit: ZeroUnit) -> None:
+        """Every trainable parameter of ``unit`` got its gradient in this backward: they land in
+        the flat buffers in one pass per group ([Note: gradients landing in a fresh buffer] in
+        grad_buffer.py), the parameters are freed, and the buckets now complete go out."""
+        for group in unit.trainable_groups:
+            group.grads.land()
+        self._maybe_release(unit)  # the parameters; the gradients may still be in flight
+        self._grads_ready(unit)
 
     def _grads_ready(self, unit: ZeroUnit) -> None:
         unit.move_grads(GradState.READY)
@@ -487,6 +495,7 @@ class UnitProtocol:
             if self.policy.shards_params:
                 unit.reshard()
             unit.reset_backward_state()
+        self.gathers.backward_done()
         self.read_for_backward.clear()
         self.backward_open = False
         self.buffers.release_idle()  # the optimizer step follows

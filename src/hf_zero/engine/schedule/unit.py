@@ -59,6 +59,40 @@ _GRAD_MOVES = {
 }
 
 
+class GatheredNumel:
+    """How many sharded elements are gathered (or gathering) now, in total and among the units
+    the backward has passed.
+
+    [Note: gathered elements, counted as they move]
+    The prefetch budget, ``stage3_max_live_parameters`` and the reuse distance read how much is
+    gathered at every unit's forward and backward; summing it over every unit made that
+    O(units) per unit, O(units^2) per step (22 layers: about a thousand unit visits a step).
+    Each unit instead reports its own moves (``ZeroUnit._move_params``: SHARDED -> GATHERING or
+    GATHERED adds its sharded elements, GATHERED -> SHARDED takes them away), and the backward
+    marks the units it has passed (``GatherPlan.passed``), so both sums are kept as they change."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.behind = 0  # of units the backward has passed
+
+    def moved(self, unit: "ZeroUnit", gathered: bool) -> None:
+        delta = unit.sharded_numel if gathered else -unit.sharded_numel
+        self.total += delta
+        if unit.behind_cursor:
+            self.behind += delta
+
+    def pass_cursor(self, unit: "ZeroUnit") -> None:
+        if not unit.behind_cursor:
+            unit.behind_cursor = True
+            if unit.is_unsharded:
+                self.behind += unit.sharded_numel
+
+    def reset_cursor(self, units: list["ZeroUnit"]) -> None:
+        for unit in units:
+            unit.behind_cursor = False
+        self.behind = 0
+
+
 class UnitStateError(RuntimeError):
     """A unit was asked for a transition its state does not allow: a bug in the protocol."""
 
@@ -108,8 +142,12 @@ class ZeroUnit:
         # backward reads no parameter] in hooks.py).
         self.backward_reads_params = not (isinstance(self.module, nn.Embedding)
                                           and type(self.module).forward is nn.Embedding.forward)
+        # Elements gathered and freed around use (stage 3, non-persistent); fixed by the layout.
+        self.sharded_numel = sum(g.layout.padded_numel for g in self.groups if g.storage.sharded_between_uses)
         self.param_state = ParamState.SHARDED if self.sharded_numel else ParamState.GATHERED
         self.grad_state = GradState.IDLE
+        self._gathered: GatheredNumel | None = None  # [Note: gathered elements, counted as they move]
+        self.behind_cursor = False  # the current backward has passed this unit
         self.reset_backward_state()
 
     # ----------------------------------------------------------------- sizes
@@ -117,10 +155,11 @@ class ZeroUnit:
     def numel(self) -> int:
         return sum(g.layout.numel for g in self.groups)
 
-    @property
-    def sharded_numel(self) -> int:
-        """Elements that are gathered and freed around use (stage 3, non-persistent)."""
-        return sum(g.layout.padded_numel for g in self.groups if g.storage.sharded_between_uses)
+    def count_gathered_in(self, gathered: GatheredNumel) -> None:
+        """Report this unit's gathers and frees to ``gathered`` from now on."""
+        self._gathered = gathered
+        if self.is_unsharded:
+            gathered.moved(self, gathered=True)
 
     def buffer_sizes_in_backward(self) -> frozenset[int]:
         """The sizes of the buffers this unit's backward takes from the pool: its gathered
@@ -138,7 +177,10 @@ class ZeroUnit:
     def _move_params(self, new: ParamState) -> None:
         if new not in _PARAM_MOVES[self.param_state]:
             raise UnitStateError(f"unit {self.name}: parameters cannot go from {self.param_state.value} to {new.value}")
+        was_sharded = self.param_state is ParamState.SHARDED
         self.param_state = new
+        if self._gathered is not None and self.sharded_numel and was_sharded != (new is ParamState.SHARDED):
+            self._gathered.moved(self, gathered=was_sharded)
 
     @property
     def is_unsharded(self) -> bool:

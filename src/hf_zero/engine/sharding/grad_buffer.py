@@ -20,14 +20,21 @@ Autograd adds a gradient into an existing ``.grad`` and hands over its own tenso
 ``.grad`` is None. Pointing ``.grad`` at a zeroed buffer therefore costs a zeroing pass and an
 addition (two reads, one write) for every gradient byte, on top of the matmul that made the
 gradient. So a buffer the pool has just handed out (its contents undefined) is not zeroed and
-the ``.grad`` stay None for the backward: autograd hands its gradient over, the parameter's
-post-accumulate hook (``land``) copies it into its slot, one read and one write, and points
-``.grad`` at the slot, where any further gradient of that backward is added in place. Before
-the buffer is read (its reduction, or the fp32 fold of a micro-step), the bytes no gradient
-wrote are zeroed: the slots of parameters that got none, and the alignment padding. This is
-what DeepSpeed and FSDP2 do (autograd's gradient, copied into the reduction's input). A
-buffer that already holds gradients (an accumulation window, stage 0's kept buffer) keeps
-``.grad`` on its views.
+the ``.grad`` stay None for the backward: autograd hands its gradient over, and once the unit's
+last gradient has arrived (its post-backward, ``land``) the gradients are copied into their
+slots in one pass (``torch._foreach_copy_``: one read and one write per byte, one launch for
+the unit, as FSDP2 packs its gradients with one ``_chunk_cat``), the bytes no gradient wrote
+(the slots of parameters that got none, the alignment padding) are zeroed in one
+``_foreach_zero_``, and ``.grad`` points at the slots, where any later gradient of that
+backward is added in place. A gradient of ``LAND_AT_ONCE_BYTES`` or more is copied when it
+arrives instead (``land_one``), so that autograd's tensor goes at once: held until the unit's
+end, the large ones would add up to a second copy of the unit's gradients (a Mixtral layer's
+fused experts at world 64: +1 GiB per rank), while a copy that large takes as long on the GPU
+as launching it takes on the host, so batching it saves nothing. A unit some of whose
+parameters get no gradient lands what it has before its buffer is read (its reduction, or the
+fp32 fold of a micro-step). This is what DeepSpeed and FSDP2 do (autograd's gradient, copied
+into the reduction's input). A buffer that already holds gradients (an accumulation window,
+stage 0's kept buffer) keeps ``.grad`` on its views.
 
 [Note: reducing into the gradient shard]
 A reduce-scatter's result is normally added into the fp32 gradient shard, divided by what
@@ -57,6 +64,11 @@ from hf_zero.execution import execution_for
 from hf_zero.offload import OffloadSettings
 from hf_zero.partition import FlatLayout
 from hf_zero.transfer import is_host_store, to_host
+
+
+# [Note: gradients landing in a fresh buffer]: 16 MiB takes about 5 us to copy at 3 TB/s, what
+# a kernel launch costs the host.
+LAND_AT_ONCE_BYTES = 16 << 20
 
 
 class GradBufferState(enum.Enum):
@@ -123,6 +135,9 @@ class GradBuffer:
         # While autograd's gradients land in a fresh buffer: which slots one has written
         # ([Note: gradients landing in a fresh buffer]); None otherwise.
         self.landed: list[bool] | None = None
+        self._views: list[torch.Tensor] | None = None  # each parameter's slot in ``full``, made once
+        self._padding: list[torch.Tensor] | None = None  # what no slot covers (alignment, the tail)
+        self.lands_at_once = [slot.numel * compute_dtype.itemsize >= LAND_AT_ONCE_BYTES for slot in layout.slots]
         if master is not None:
             self._allocate(compute_dtype, device, pool_user)
 
@@ -165,6 +180,22 @@ class GradBuffer:
         return (self.policy.shards_params and slot is not None and slot.offset == 0 and slot.numel == self.layout.padded_numel
                 and CAN_SWAP_STORAGE)
 
+    @property
+    def views(self) -> list[torch.Tensor]:
+        """Each parameter's slot in the full buffer, in the parameter's shape. Made once: the
+        buffer's tensor object stays for the run (freeing empties its storage, [Note: views into
+        flat buffers] in param_storage.py), so its views do too."""
+        if self._views is None:
+            self._views = [slot.view_in(self.full) for slot in self.layout.slots]
+            covered = sorted((slot.offset, slot.offset + slot.numel) for slot in self.layout.slots)
+            gaps, start = [], 0
+            for lo, hi in covered + [(self.full.numel(), self.full.numel())]:
+                if lo > start:
+                    gaps.append(self.full[start:lo])
+                start = max(start, hi)
+            self._padding = gaps
+        return self._views
+
     def prepare(self, for_backward: bool = False) -> None:
         """Before this group's backward (``for_backward``) or its reduction: make sure the flat
         gradient buffer exists (fresh ones are zeroed; an accumulating one is kept) and that each
@@ -180,52 +211,59 @@ class GradBuffer:
         fresh = self.buffers.acquire(self.full)
         if self.state is GradBufferState.EMPTY:
             self.state = GradBufferState.ACCUMULATING
-        if fresh and for_backward and all(param.grad is None for param in self.params):
-            self.landed = [False] * len(self.params)
-            return
-        if fresh:
-            self.full.zero_()
-        elif self.landed is not None:
-            self._zero_where_nothing_landed()
-        self.landed = None
-        for slot, param in zip(self.layout.slots, self.params):
-            view = slot.view_in(self.full)
-            grad = param.grad
-            if grad is None or grad.data_ptr() != view.data_ptr():
-                if grad is not None:  # produced outside our buffer (a parameter read outside its unit)
-                    view.add_(grad.to(view.dtype))
-                param.grad = view
+        # A unit's parameters may be sharded here (its reduction after its backward freed them):
+        # reading ``.grad`` then needs no guard ([Note: parameters read outside their unit]).
+        with torch._C.DisableTorchFunctionSubclass():
+            if fresh and for_backward and all(param.grad is None for param in self.params):
+                self.landed = [False] * len(self.params)
+                return
+            if fresh:
+                self.full.zero_()
+            elif self.landed is not None:
+                self.land()  # what arrived, and zeros where nothing did
+            self.landed = None
+            for view, param in zip(self.views, self.params):
+                grad = param.grad
+                if grad is None or grad.data_ptr() != view.data_ptr():
+                    if grad is not None:  # produced outside our buffer (a parameter read outside its unit)
+                        view.add_(grad.to(view.dtype))
+                    param.grad = view
 
-    def land(self, index: int) -> None:
-        """Parameter ``index`` got a gradient from autograd (its post-accumulate hook): into a
-        fresh buffer it is copied, and ``.grad`` becomes the view ([Note: gradients landing in
-        a fresh buffer]). Otherwise autograd already added it into the view."""
-        if self.landed is None:
+    def land_one(self, index: int) -> None:
+        """A large gradient, as it arrives ([Note: gradients landing in a fresh buffer]): into its
+        slot, and ``.grad`` becomes the view."""
+        if self.landed is None or self.landed[index]:
             return
-        param, slot = self.params[index], self.layout.slots[index]
-        view = slot.view_in(self.full)
-        grad = param.grad
-        if grad is None or grad.data_ptr() == view.data_ptr():
-            return
-        if self.landed[index]:
-            view.add_(grad.to(view.dtype))
-        else:
+        view = self.views[index]
+        param = self.params[index]
+        with torch._C.DisableTorchFunctionSubclass():
+            grad = param.grad
+            if grad is None:
+                return
             view.copy_(grad)
             self.landed[index] = True
-        param.grad = view
+            param.grad = view
 
-    def _zero_where_nothing_landed(self) -> None:
-        """A landing buffer's bytes that no gradient wrote (the slots of parameters that got
-        none, the alignment padding) hold whatever the pool's last user left: zero them."""
-        written = sorted((slot.offset, slot.offset + slot.numel)
-                         for slot, landed in zip(self.layout.slots, self.landed) if landed)
-        start = 0
-        for lo, hi in written:
-            if lo > start:
-                self.full[start:lo].zero_()
-            start = max(start, hi)
-        if start < self.full.numel():
-            self.full[start:].zero_()
+    def land(self) -> None:
+        """The unit's post-backward ([Note: gradients landing in a fresh buffer]): the gradients
+        autograd handed over are copied into their slots in one pass, what no gradient wrote is
+        zeroed, and each ``.grad`` becomes its view. A buffer that holds gradients already took
+        autograd's additions in place: nothing to do."""
+        if self.landed is None:
+            return
+        views = self.views
+        with torch._C.DisableTorchFunctionSubclass():  # an embedding unit is sharded again by now
+            arrived = [(index, param.grad) for index, param in enumerate(self.params)
+                       if param.grad is not None and not self.landed[index]]
+            if arrived:
+                torch._foreach_copy_([views[index] for index, _ in arrived], [grad for _, grad in arrived])
+            for index, _ in arrived:
+                self.landed[index] = True
+                self.params[index].grad = views[index]
+        unwritten = [view for view, landed in zip(views, self.landed) if not landed] + self._padding
+        if unwritten:
+            torch._foreach_zero_(unwritten)
+        self.landed = None
 
     def _adopt_autograd_grad(self) -> bool:
         """Make the parameter's own ``.grad`` tensor (autograd's, not a view into the buffer) the
@@ -259,7 +297,7 @@ class GradBuffer:
             return
         # Every trainable group folds, with or without gradients: a bucket packs groups of one dtype.
         if self.landed is not None:
-            self.prepare()  # what no gradient wrote is zero, every .grad a view
+            self.prepare()  # what arrived landed, what no gradient wrote zero, every .grad a view
         if self.accum is None:
             self.accum = torch.zeros(self.layout.padded_numel, dtype=accum_dtype, device=self.full.device)
         elif allocate_storage(self.accum):
@@ -285,8 +323,9 @@ class GradBuffer:
         self.drop_accum()
         if self.full is None:
             return
-        for param in self.params:
-            param.grad = None
+        with torch._C.DisableTorchFunctionSubclass():  # the parameters may be sharded by now
+            for param in self.params:
+                param.grad = None
         self.buffers.release(self.full)
         self.state = GradBufferState.EMPTY
         self.landed = None
@@ -397,10 +436,12 @@ class GradBuffer:
         the other ranks did."""
         return all(self.received)
 
-    def zero_shard(self) -> None:
+    def zero_shard(self, zero_tensor: bool = True) -> None:
+        """The step is done: nothing received, the gradient shard zeros (``zero_tensor``: here;
+        else the caller zeroes it, with the other groups' in one pass)."""
         self.received = [False] * len(self.params)
         self.land_host_grads()  # a copy in flight must not land in the next step's shard
-        if self.shard is not None:
+        if self.shard is not None and zero_tensor:
             self.shard.zero_()
         self.shard_is_zero = True
         if not self.policy.shards_optimizer_state and self.full is not None:
