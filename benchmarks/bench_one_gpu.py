@@ -14,9 +14,15 @@ The compute-only step is the same model (same shapes, dtype, batch) as plain tor
 backward, no engine, no collectives and no optimizer. ``engine / compute-only`` is what the engine
 and its optimizer step add. Each contender runs its warm-up and timed steps in turn (the engine
 first, then the compute-only model, so neither's memory limits the other), timed by the shared
-harness (CUDA events on a GPU); rows go to ``results/bench_one_gpu.jsonl``.
+harness (CUDA events on a GPU); rows go to ``results/bench_one_gpu.jsonl``. ``--fsdp2`` adds
+FSDP2 in the same harness (``fully_shard`` per decoder layer, same dtype and batch), and
+``--sync-debug warn`` runs the engine's timed steps under ``torch.cuda.set_sync_debug_mode`` and
+lists the synchronising calls made from hf_zero's files. No step reads its loss on the host
+while it is timed.
 
     python benchmarks/bench_one_gpu.py --model llama-1b --world 8 --rank 5                 # (b)
+    python benchmarks/bench_one_gpu.py --model llama-1b --world 8 --rank 5 --fsdp2 --sync-debug warn
+    python benchmarks/bench_one_gpu.py --model llama-1b --world 8 --rank 5 --micro-batch 4 --fsdp2
     python benchmarks/bench_one_gpu.py --model llama-7b,llama-3b,llama-1b --world 1 \\
         --offload-optimizer cpu --largest                                                  # (c)
     CUDA_VISIBLE_DEVICES= python benchmarks/bench_one_gpu.py --model tiny --device cpu --seq 32 \\
@@ -26,15 +32,18 @@ harness (CUDA events on a GPU); rows go to ``results/bench_one_gpu.jsonl``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
+import os
 import resource
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from _harness import device_info, environment, markdown_table, measure, write_rows
@@ -100,9 +109,66 @@ def engine_config(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _step_fn(forward_backward: Callable[[torch.Tensor], torch.Tensor], batch: torch.Tensor,
-             losses: list[float]) -> Callable[[], None]:
+             losses: list[torch.Tensor]) -> Callable[[], None]:
+    """A step whose loss is kept on the device: read inside the step, it would make the host wait
+    for the GPU there, and the timing would include a drained queue the engine did not ask for."""
     def step() -> None:
-        losses.append(float(forward_backward(batch)))
+        losses.append(forward_backward(batch))
+
+    return step
+
+
+def _finite(losses: list[torch.Tensor]) -> bool:
+    return all(math.isfinite(float(loss)) for loss in losses)  # after the timing: each read waits
+
+
+@contextlib.contextmanager
+def _sync_debug(mode: str, device: torch.device, found: list[str]) -> Iterator[None]:
+    """``torch.cuda.set_sync_debug_mode(mode)`` over the block; with "warn", the synchronising
+    calls made from hf_zero's files are collected (the model's own are left out: transformers'
+    causal mask reads whether position_ids pack several sequences)."""
+    if mode == "off" or device.type != "cuda":
+        yield
+        return
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode(mode)
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    found.extend(f"{w.filename}:{w.lineno}" for w in caught
+                 if "synchroniz" in str(w.message) and f"{os.sep}hf_zero{os.sep}" in w.filename)
+
+
+def fsdp2_step(shape: LlamaShape, args: argparse.Namespace, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+    """FSDP2 in the same harness: ``fully_shard`` per decoder layer and on the root over this
+    process's (fake) world, fp32 shards with bf16 parameters and fp32 reductions under
+    ``--dtype bf16`` (what hf_zero's fp32 masters are to its bf16 compute), AdamW (fused on a
+    GPU), ``clip_grad_norm_`` with ``--clip``."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = build_model(shape, argparse.Namespace(**{**vars(args), "dtype": "fp32"}), device)
+    kwargs: dict[str, Any] = {"mesh": init_device_mesh(device.type, (dist.get_world_size() if dist.is_initialized() else 1,))}
+    if args.dtype == "bf16":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                                  fused=device.type == "cuda")
+
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        if args.clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
 
     return step
 
@@ -145,9 +211,11 @@ def run_one(shape_name: str, args: argparse.Namespace) -> dict[str, Any]:
         engine.step()
         return loss.detach()
 
-    engine_losses: list[float] = []
-    timed = measure({"engine": _step_fn(engine_step, batch, engine_losses)}, device,
-                    repeats=args.steps, warmup=args.warmup)["engine"]
+    engine_losses: list[torch.Tensor] = []
+    engine_syncs: list[str] = []
+    with _sync_debug(args.sync_debug, device, engine_syncs):
+        timed = measure({"engine": _step_fn(engine_step, batch, engine_losses)}, device,
+                        repeats=args.steps, warmup=args.warmup)["engine"]
     engine.reset_comm_stats()
     row: dict[str, Any] = {"engine_peak_bytes": _peak_memory(device, _step_fn(engine_step, batch, engine_losses))}
     row.update(memory_report=engine.memory_report(), comm_per_step=engine.comm_stats())
@@ -163,26 +231,47 @@ def run_one(shape_name: str, args: argparse.Namespace) -> dict[str, Any]:
         reference.zero_grad(set_to_none=True)
         return loss.detach()
 
-    compute_losses: list[float] = []
+    compute_losses: list[torch.Tensor] = []
     try:
         compute = measure({"compute": _step_fn(compute_step, batch, compute_losses)}, device,
                           repeats=args.steps, warmup=args.warmup)["compute"]
         row["compute_peak_bytes"] = _peak_memory(device, _step_fn(compute_step, batch, compute_losses))
     except torch.OutOfMemoryError as exc:
         compute, row["compute_error"] = None, f"out of memory: {str(exc).splitlines()[0]}"
+    reference = None  # its memory goes before FSDP2's model is built
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if args.fsdp2:
+        row.update(_fsdp2_row(shape, args, device, batch, timed))
     tokens = args.micro_batch * args.seq
     row.update({
         "bench": "one_gpu_step", "model": shape_name, "shape": dataclasses.asdict(shape), "params": params,
         "world": args.world, "rank": args.rank, "stage": args.stage, "offload_optimizer": args.offload_optimizer,
         "tokens_per_step": tokens, "init_s": init_s, "engine": dataclasses.asdict(timed),
         "engine_tokens_per_s": tokens / timed.median_s,
-        "engine_losses_finite": all(math.isfinite(x) for x in engine_losses),
+        "engine_losses_finite": _finite(engine_losses), "sync_debug": args.sync_debug,
+        "engine_syncs_from_hf_zero": engine_syncs if args.sync_debug == "warn" else None,
         "compute": dataclasses.asdict(compute) if compute is not None else None,
         "compute_tokens_per_s": tokens / compute.median_s if compute is not None else None,
         "engine_over_compute": timed.median_s / compute.median_s if compute is not None else None,
         "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     })
     return row
+
+
+def _fsdp2_row(shape: LlamaShape, args: argparse.Namespace, device: torch.device, batch: torch.Tensor,
+               engine: Any) -> dict[str, Any]:
+    """FSDP2's step in the same harness, and hf_zero's against it."""
+    losses: list[torch.Tensor] = []
+    try:
+        step = fsdp2_step(shape, args, device)
+        timed = measure({"fsdp2": _step_fn(step, batch, losses)}, device, repeats=args.steps,
+                        warmup=args.warmup)["fsdp2"]
+        peak = _peak_memory(device, _step_fn(step, batch, losses))
+    except torch.OutOfMemoryError as exc:
+        return {"fsdp2": None, "fsdp2_error": f"out of memory: {str(exc).splitlines()[0]}"}
+    return {"fsdp2": dataclasses.asdict(timed), "fsdp2_peak_bytes": peak, "fsdp2_losses_finite": _finite(losses),
+            "engine_over_fsdp2": engine.median_s / timed.median_s}
 
 
 def run_largest(args: argparse.Namespace, argv: list[str]) -> list[dict[str, Any]]:
@@ -208,18 +297,20 @@ def run_largest(args: argparse.Namespace, argv: list[str]) -> list[dict[str, Any
 
 def table(rows: list[dict[str, Any]]) -> str:
     headers = ["model", "params", "world/rank", "offload", "engine ms (p20-p80)", "compute-only ms",
-               "engine / compute", "tokens/s", "GPU peak GiB (engine/compute)"]
+               "engine / compute", "FSDP2 ms", "engine / FSDP2", "tokens/s", "GPU peak GiB (engine/compute)"]
     body = []
     for r in rows:
         if "error" in r:
-            body.append([r["model"], "", "", "", r["error"], "", "", "", ""])
+            body.append([r["model"], "", "", "", r["error"], "", "", "", "", "", ""])
             continue
-        e, c = r["engine"], r["compute"]
+        e, c, f = r["engine"], r["compute"], r.get("fsdp2")
         gib = lambda b: f"{b / 2**30:.1f}" if b else "-"  # noqa: E731
         body.append([r["model"], f"{r['params'] / 1e6:,.0f}M", f"{r['world']}/{r['rank']}", r["offload_optimizer"],
                      f"{e['median_s'] * 1e3:.1f} ({e['p20_s'] * 1e3:.1f}-{e['p80_s'] * 1e3:.1f})",
                      f"{c['median_s'] * 1e3:.1f}" if c else r.get("compute_error", "-"),
-                     f"{r['engine_over_compute']:.2f}x" if c else "-", f"{r['engine_tokens_per_s']:,.0f}",
+                     f"{r['engine_over_compute']:.2f}x" if c else "-",
+                     f"{f['median_s'] * 1e3:.1f}" if f else r.get("fsdp2_error", "-"),
+                     f"{r['engine_over_fsdp2']:.2f}x" if f else "-", f"{r['engine_tokens_per_s']:,.0f}",
                      f"{gib(r['engine_peak_bytes'])}/{gib(r.get('compute_peak_bytes'))}"])
     return markdown_table(headers, body)
 
@@ -245,6 +336,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10, help="timed steps per contender (median reported)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fsdp2", action="store_true", help="also FSDP2 in the same harness (fully_shard per decoder layer)")
+    p.add_argument("--sync-debug", choices=["off", "warn", "error"], default="off",
+                   help="the engine's timed steps under torch.cuda.set_sync_debug_mode (warn: the row lists "
+                        "the synchronising calls from hf_zero's files)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per model with --largest")
     p.add_argument("--jsonl", type=Path, default=DEFAULT_OUT, help="rows are appended here")
     p.add_argument("--print-row", action="store_true", help=argparse.SUPPRESS)

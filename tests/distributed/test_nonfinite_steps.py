@@ -92,7 +92,7 @@ def _digest(engine: Any) -> str:
 
 def _run(sc: dict[str, Any], bad_step: int | None) -> dict[str, Any]:
     engine = _engine(sc)
-    errors, error_steps, applied = [], [], []
+    errors, error_steps, applied, skipped = [], [], [], []
     digest_before_bad, digest_after_bad, lr_before_bad, lr_after_bad = None, None, None, None
     for step in range(STEPS):
         if step == bad_step:
@@ -113,11 +113,12 @@ def _run(sc: dict[str, Any], bad_step: int | None) -> dict[str, Any]:
             hook.remove()
         # Read as a user reads it; it also reads the outcome of a step taken on the device
         # ([Note: a step the host does not wait for]) before the digest looks at the host's records.
+        skipped.append(engine.optimizer.skipped)  # what Accelerate's optimizer_step_was_skipped asks
         applied.append(engine.was_step_applied())
         if step == bad_step:
             digest_after_bad, lr_after_bad = _digest(engine), engine.get_lr()
     return {
-        "errors": errors, "error_steps": error_steps, "applied": applied,
+        "errors": errors, "error_steps": error_steps, "applied": applied, "skipped_flags": skipped,
         "digest": _digest(engine), "lr": engine.get_lr(), "skipped": engine.skipped_steps,
         "unchanged_by_bad_step": digest_before_bad == digest_after_bad and lr_before_bad == lr_after_bad,
         "params": hashlib.sha256(repr(S.full_params(engine)).encode()).hexdigest(),
@@ -156,6 +157,8 @@ def test_raises_or_skips_as_configured_on_every_rank(results, name):
         assert len(bad["errors"]) == (0 if skips else 1)
         assert bad["skipped"] == (1 if skips else 0)
         assert bad["applied"] == [step != BAD_STEP for step in range(STEPS)]
+        # a skip is a skip; under the raise policy the error reports the dropped step instead
+        assert bad["skipped_flags"] == [skips and step == BAD_STEP for step in range(STEPS)]
         if not skips:
             assert bad["error_steps"] == [BAD_STEP + 1 if on_device else BAD_STEP]
             assert ("an earlier step" in bad["errors"][0]) == on_device

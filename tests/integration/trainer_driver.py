@@ -320,9 +320,11 @@ def run_grad_norm(job: dict[str, Any]) -> dict[str, Any]:
             if _rank() == 0:  # torch.save keeps tied weights one tensor, as the model has them
                 torch.save(weights, os.path.join(record_dir, f"step{len(batches)}.pt"))
 
+    syncs = _host_syncs_callback()
     model = AutoModelForCausalLM.from_pretrained(job["model_dir"])
     train_dataset, _ = _tiny_datasets(job["model_dir"], job["train_samples"], 2)
-    trainer = RecordingTrainer(model=model, args=args, train_dataset=train_dataset, callbacks=[WeightsAtStepBegin()])
+    trainer = RecordingTrainer(model=model, args=args, train_dataset=train_dataset,
+                               callbacks=[WeightsAtStepBegin(), syncs])
     trainer.train()
     trainer.save_state()
     per_rank: list[Any] = [None] * dist.get_world_size()
@@ -331,7 +333,38 @@ def run_grad_norm(job: dict[str, Any]) -> dict[str, Any]:
         with open(os.path.join(record_dir, "batches.json"), "w") as f:
             json.dump([[rank_batches[step] for rank_batches in per_rank] for step in range(len(batches))], f)
     _wait_for_main_process_files()
-    return {"record_dir": record_dir, **log_history(args.output_dir)}
+    return {"record_dir": record_dir, "host_syncs": syncs.per_step, **log_history(args.output_dir)}
+
+
+def _host_syncs_callback() -> Any:
+    from transformers import TrainerCallback
+
+    from hf_zero.execution.host_sync import HostSyncCounter
+    from hf_zero.integrations._weights import engine_of
+
+    class HostSyncsOfEachStep(TrainerCallback):
+        """hf_zero's own host synchronisations ([Note: host synchronisations]) in each optimizer
+        step of the Trainer under hf_zero, from its ``on_step_begin`` (after the callbacks before
+        this one) to its ``on_step_end``: the micro-batches' forward and backward, the clipping, the
+        step, and what the Trainer asks of it (``optimizer_step_was_skipped``, the learning rate).
+        The log that follows reads the norm, which is the Trainer's read, after ``on_step_end``."""
+
+        def __init__(self) -> None:
+            self.counter: HostSyncCounter | None = None
+            self.per_step: list[dict[str, int]] = []
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+            engine = engine_of(model)
+            if engine is not None:
+                self.counter = HostSyncCounter(engine.device).__enter__()
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if self.counter is not None:
+                self.counter.__exit__(None, None, None)
+                self.per_step.append(self.counter.by_place())
+                self.counter = None
+
+    return HostSyncsOfEachStep()
 
 
 JOBS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {

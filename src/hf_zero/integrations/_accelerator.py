@@ -111,8 +111,10 @@ class HfZeroOptimizerWrapper(AcceleratedOptimizer):
 
     @property
     def step_was_skipped(self) -> bool:
-        """True when the last engine step was skipped for an fp16 overflow."""
-        return bool(self.optimizer.overflow)
+        """True when the last engine step was skipped (an fp16 overflow, or inf/nan gradients
+        with ``bf16.check_grad_overflow``). The Trainer asks after every step; under the raise
+        policy the answer needs no wait for the device (``ZeroOptimizer.skipped``)."""
+        return self.optimizer.skipped
 
 
 class HfZeroSchedulerWrapper(AcceleratedScheduler):
@@ -471,8 +473,10 @@ class HfZeroAccelerator(Accelerator):
             self._check_configured_clipping(engine, max_norm, norm_type, wanted)
         elif float(norm_type) != 2.0:
             raise ValueError(f"clip_grad_norm_(norm_type={norm_type}): the hf_zero engine clips the global 2-norm only")
-        norm = engine.get_global_grad_norm()
-        return None if norm is None else torch.tensor(norm)
+        # A tensor, as torch's clip_grad_norm_ returns: still on the device when the step's outcome
+        # has not been read ([Note: a step the host does not wait for]), so a loop that does not
+        # read it does not wait for the GPU.
+        return None if engine.optimizer is None else engine.optimizer.global_grad_norm_tensor()
 
     def _step_clipped(self, engine: ZeroEngine, max_norm: float) -> None:
         if max_norm > 0 and getattr(engine.optimizer, "overlapped", None) is not None:

@@ -106,8 +106,10 @@ class LossScaler:
         return self.cur_scale
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """Multiply the loss by the scale before backward, so small fp16 gradients do not flush to 0."""
-        return loss * self.device_scale(loss.device).to(loss.dtype)
+        """Multiply the loss by the scale before backward, so small fp16 gradients do not flush to 0.
+        The scale is fp32 here (2**16 is beyond fp16's range, so a scale of the loss's dtype would
+        be inf for an fp16 loss); an fp32 loss gives the product a Python float gave."""
+        return loss * self.device_scale(loss.device).float()
 
     # ------------------------------------------------------------------ on the device
     def device_scale(self, device: torch.device) -> torch.Tensor:

@@ -246,9 +246,24 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return self.pipeline.outcome not in (None, StepOutcome.STEPPED)
 
     @property
+    def skipped(self) -> bool:
+        """The last step was skipped and training goes on without it: an fp16 overflow, or
+        inf/nan gradients under ``bf16.check_grad_overflow``. Under the raise policy of [Note:
+        non-finite steps] a dropped step is reported by its ``FloatingPointError``, not as a
+        skip, so the answer is known without reading the step's outcome off the device."""
+        if self.pipeline.loss_scaler is None and not self.pipeline.skip_nonfinite:
+            return False
+        return self.overflow
+
+    @property
     def global_grad_norm(self) -> float | None:
         """The last step's gradient norm over all ranks, unscaled (inf for a dropped step)."""
         return self.pipeline.grad_norm
+
+    def global_grad_norm_tensor(self) -> torch.Tensor | None:
+        """:attr:`global_grad_norm` as a 0-d tensor, without waiting for the device to read it
+        when the last step's outcome is still pending."""
+        return self.pipeline.grad_norm_tensor()
 
     @property
     def nonfinite_skipped_steps(self) -> int:

@@ -141,6 +141,7 @@ class StepPipeline:
         self.deferred_error: FloatingPointError | None = None
         self._all_used = [[True] * len(g.params) for g in groups]
         self._terms_on_host: torch.Tensor | None = None  # where a pending step's two numbers land
+        self._norm_on_device: torch.Tensor | None = None  # the pending step's norm, unread
 
     @property
     def device(self) -> torch.device:
@@ -162,6 +163,14 @@ class StepPipeline:
     def nonfinite_skipped_steps(self) -> int:
         self.settle()
         return self._nonfinite_skipped_steps
+
+    def grad_norm_tensor(self) -> torch.Tensor | None:
+        """The last step's gradient norm as a 0-d tensor, without reading it: on the compute
+        device while the step's outcome is pending (inf or nan for a step that had inf/nan
+        gradients, as torch's ``clip_grad_norm_`` returns), else made from the value read."""
+        if self.pending is not None and self._norm_on_device is not None:
+            return self._norm_on_device
+        return None if self._grad_norm is None else torch.tensor(self._grad_norm)
 
     def record(self, outcome: StepOutcome, grad_norm: float) -> None:
         self._outcome = outcome
@@ -200,7 +209,7 @@ class StepPipeline:
         """[Note: a step the host does not wait for]."""
         scaler = self.loss_scaler
         scale = scaler.device_scale(terms.device) if scaler is not None else None
-        factors, overflow = step_factors(terms, scale, self.gradient_clipping)
+        factors, overflow, self._norm_on_device = step_factors(terms, scale, self.gradient_clipping)
         undo = self.inner_step.apply_on_device(self.groups, used, factors)
         self.pending = PendingOutcome(*self._copy_terms_to_host(terms),
                                       scale=scaler.loss_scale if scaler is not None else 1.0, undo=[undo])
@@ -370,21 +379,21 @@ class StepPipeline:
 
 
 def step_factors(terms: torch.Tensor, scale: torch.Tensor | None,
-                 gradient_clipping: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 gradient_clipping: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[Note: step factors] from the all-reduced [squared norm, flag], on the device: the fp32
-    ``[grad_scale, clip_coef, skip]`` and the 0-d overflow flag. The norm and the coefficient
-    are computed in float64, as the host computes them from the same fp32 sum, so both paths
-    give the kernel the same fp32 coefficient."""
+    ``[grad_scale, clip_coef, skip]``, the 0-d overflow flag and the unscaled norm (fp32). The
+    norm and the coefficient are computed in float64, as the host computes them from the same
+    fp32 sum, so both paths give the kernel the same fp32 coefficient."""
     sqnorm, flag = terms[0].double(), terms[1]
     overflow = flag > 0
     scale = scale if scale is not None else torch.ones((), dtype=torch.float64, device=terms.device)
+    norm = sqnorm.sqrt() / scale
     if gradient_clipping > 0:
-        norm = sqnorm.sqrt() / scale
         clip_coef = torch.clamp(gradient_clipping / (norm + CLIP_EPS), max=1.0)
     else:
         clip_coef = torch.ones((), dtype=torch.float64, device=terms.device)
     factors = torch.stack([scale, clip_coef, overflow.double()]).float()
-    return factors, overflow
+    return factors, overflow, norm.float()
 
 
 def _nonfinite_message(gradient_clipping: float) -> str:

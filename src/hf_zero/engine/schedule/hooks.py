@@ -72,8 +72,11 @@ two communicators' kernels fitting on the GPU side by side.
 - pre_backward (first output-gradient hook of the unit in this backward): catches up, then stage
   3 gathers the unit (a no-op when it was kept) and prefetches along the backward order; every
   stage binds ``.grad`` views. The unit's gradients are ACCUMULATING.
-- post_backward (when the last trainable parameter's gradient has been accumulated): stage 3
-  frees the parameters; the unit's gradients are READY, and stages 2-3 (stages 0-1 in the
+- post_backward (when the last trainable parameter's gradient has been accumulated; each
+  parameter's accumulate hook only counts it, and lands it at once only when it is large):
+  the unit's gradients land in their flat buffers in one pass per group ([Note: gradients
+  landing in a fresh buffer] in grad_buffer.py), stage 3 frees the parameters; the unit's
+  gradients are READY, and stages 2-3 (stages 0-1 in the
   accumulation boundary's backward) reduce every bucket that is now complete in the fixed
   order: stage 0 all-reduces, the others reduce-scatter. Stages 0, 1 and 3 keep up to
   ``BUCKETS_IN_FLIGHT`` reductions in flight, overlapping the backward of the units before

@@ -8,9 +8,11 @@ hf_zero keeps the same decision per parameter, not per group:
 
 - Each group records which of its parameters got a gradient on this rank since the last step
   (``FlatParamGroup.grads.received``, set by the post-accumulate-grad hook: a parameter used in any
-  micro-step of the accumulation counts as used). The step's one all-reduce (the norm and the
-  non-finite flag) carries these flags too, a few bytes per parameter, so every rank learns which
-  parameters *some* rank used (``params_used``).
+  micro-step of the accumulation counts as used). The step's check-in carries how many this rank
+  left without a gradient ([Note: phases in step] in hf_zero.comm.phases); when some rank left
+  any, the flags themselves are exchanged over the host group ([Note: the host group] in
+  hf_zero.comm.collectives), a few bytes per parameter, so every rank learns which parameters
+  *some* rank used (``params_used``) without the host reading anything from the device.
 - A parameter no rank used has a zero gradient in the shard (the other ranks' zeros), so the norm
   and clipping are unchanged by it, as torch's norm skips None gradients.
 - The step leaves its elements alone. A flat shard is cut into *segments*, one per parameter
