@@ -85,6 +85,8 @@ OFFLOADS: dict[str, dict[str, str]] = {
     "none": {},
     "opt_cpu": {"offload_optimizer": "cpu"},
     "opt_nvme": {"offload_optimizer": "nvme"},
+    # pipeline_read + pipeline_write: tiles read ahead and written behind the step
+    "opt_nvme_pipelined": {"offload_optimizer": "nvme", "nvme_pipeline": True},
     "param_cpu+opt_cpu": {"offload_param": "cpu", "offload_optimizer": "cpu"},
     # max_in_cpu 0: every parameter shard in a file (the default 1e9 elements keeps a small model's
     # shards in host memory).
@@ -93,9 +95,9 @@ OFFLOADS: dict[str, dict[str, str]] = {
 # (engine, offload kind) in table order; parameter offload is stage 3 only.
 PLAN = [(engine, kind) for engine in ("hf_zero2", "hf_zero3", "ds2", "ds3") for kind in OFFLOADS
         if not (kind.startswith("param") and engine.endswith("2"))]
-NOT_COMPARABLE = {("ds2", "opt_nvme"): (
-    "DeepSpeed ZeRO-1/2 has no NVMe optimizer swapping: stage_1_and_2.py sets cpu_offload for any "
-    "offload_optimizer.device other than none, so this would be CPU offload under another name")}
+_DS2_NVME = ("DeepSpeed ZeRO-1/2 has no NVMe optimizer swapping: stage_1_and_2.py sets cpu_offload for any "
+             "offload_optimizer.device other than none, so this would be CPU offload under another name")
+NOT_COMPARABLE = {("ds2", "opt_nvme"): _DS2_NVME, ("ds2", "opt_nvme_pipelined"): _DS2_NVME}
 
 
 def label_of(engine: str, kind: str) -> str:

@@ -64,6 +64,7 @@ def make_config(sc: dict[str, Any]) -> dict[str, Any]:
     if sc["optimizer"] == "config":
         config["optimizer"] = {"type": "AdamW", "params": {
             "lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WEIGHT_DECAY}}
+    config.update(sc.get("sections", {}))  # other top-level sections (aio, ...)
     return config
 
 

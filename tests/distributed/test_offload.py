@@ -21,10 +21,13 @@ from tests.distributed.parity_checks import check_fp32_parity, check_low_precisi
 NVME_DIR = os.path.join(tempfile.gettempdir(), "hf_zero_test_nvme")
 
 
-def _offload(optimizer: str = "none", params: str = "none", ratio: float = 1.0, **param_nvme: int) -> dict[str, Any]:
+def _offload(optimizer: str = "none", params: str = "none", ratio: float = 1.0, pipeline_read: bool = False,
+             pipeline_write: bool = False, **param_nvme: int) -> dict[str, Any]:
     zero: dict[str, Any] = {"sub_group_size": 1000}  # several NVMe tiles per group
     if optimizer != "none":
         zero["offload_optimizer"] = {"device": optimizer, **({"nvme_path": NVME_DIR} if optimizer == "nvme" else {})}
+        if pipeline_read or pipeline_write:
+            zero["offload_optimizer"].update(pipeline_read=pipeline_read, pipeline_write=pipeline_write)
         if ratio < 1.0:
             zero["offload_optimizer"]["ratio"] = ratio
     if params != "none":
@@ -40,6 +43,10 @@ CASES = {
     "opt_cpu_s3": S.scenario("gpt2", 3, 1, zero=_offload("cpu")),
     "opt_nvme_s2": S.scenario("gpt2", 2, 2, zero=_offload("nvme")),
     "opt_nvme_s3": S.scenario("llama", 3, 1, zero=_offload("nvme")),
+    # the next tile read and this one written while a tile steps, blocks on two I/O threads
+    "opt_nvme_pipelined_s2": S.scenario(
+        "llama", 2, 2, zero=_offload("nvme", pipeline_read=True, pipeline_write=True),
+        sections={"aio": {"block_size": 1024, "intra_op_parallelism": 2}}),
     "param_cpu_s3": S.scenario("gpt2", 3, 1, zero=_offload(params="cpu")),
     "both_cpu_s3": S.scenario("llama", 3, 2, zero=_offload("cpu", "cpu")),
     "bf16_opt_cpu_s3": S.scenario("gpt2", 3, 1, dtype="bf16", zero=_offload("cpu")),
@@ -59,7 +66,7 @@ CASES = {
 
 
 def _baseline(sc: dict[str, Any]) -> dict[str, Any]:
-    return dict(sc, zero={"sub_group_size": 1000})
+    return {**{key: value for key, value in sc.items() if key != "sections"}, "zero": {"sub_group_size": 1000}}
 
 
 ALL = list(CASES.values())

@@ -316,7 +316,8 @@ def _deepcompile_off(value: Any) -> bool:
 
 _NI_REASON_OFFLOAD = "the deprecated boolean; write zero_optimization.offload_optimizer / offload_param {\"device\": \"cpu\"} instead"
 _NI_ZEROPP = "ZeRO++ quantized / hierarchical communication"
-_ONLY_NVME = "NVMe I/O tuning for DeepSpeed's async I/O; hf_zero reads and writes its NVMe files with synchronous preadv/pwrite"
+_ONLY_NVME = "libaio submission tuning; hf_zero's NVMe I/O runs on threads (aio.block_size, aio.intra_op_parallelism), which have no submission queue to tune"
+_AIO_BACKEND = "hf_zero's NVMe I/O has one backend, its I/O threads through host memory (no libaio, no GPUDirect Storage)"
 _MONITOR = "monitoring backends are not wired into hf_zero; use the Trainer's report_to"
 _APEX = "apex AMP argument, only read when amp.enabled is true (not implemented)"
 _FP16_ONLY = "fp16.enabled"
@@ -428,14 +429,14 @@ _SPECS: list[KeySpec] = [
     KeySpec("zero_optimization.offload_optimizer.nvme_path", Str(), None, "Directory for nvme offload.", nullable=True),
     KeySpec("zero_optimization.offload_optimizer.buffer_count", Int(), 4, "Buffers in the nvme swap pool.", NO_EFFECT, "the NVMe optimizer step streams each state through one tile buffer of sub_group_size elements", check=at_least(1)),
     KeySpec("zero_optimization.offload_optimizer.pin_memory", Bool(), True, "Use page-locked host memory."),
-    KeySpec("zero_optimization.offload_optimizer.pipeline_read", Bool(), False, "Overlap reading the next tile with the current step.", NO_EFFECT, "an nvme speed hint"),
-    KeySpec("zero_optimization.offload_optimizer.pipeline_write", Bool(), False, "Overlap writing the previous tile with the current step.", NO_EFFECT, "an nvme speed hint"),
-    KeySpec("zero_optimization.offload_optimizer.pipeline", Bool(), False, "Older spelling of pipeline_read/pipeline_write.", NO_EFFECT, "an nvme speed hint"),
+    KeySpec("zero_optimization.offload_optimizer.pipeline_read", Bool(), False, "NVMe: read the next tile's state while the current tile steps (two sets of tile buffers instead of one; either pipeline key turns both overlaps on)."),
+    KeySpec("zero_optimization.offload_optimizer.pipeline_write", Bool(), False, "NVMe: write the current tile's state while the next tile steps (two sets of tile buffers instead of one; either pipeline key turns both overlaps on)."),
+    KeySpec("zero_optimization.offload_optimizer.pipeline", Bool(), False, "Older spelling of pipeline_read/pipeline_write: sets both."),
     KeySpec("zero_optimization.offload_optimizer.fast_init", Bool(), False, "Fast optimizer initialisation with nvme.", NO_EFFECT, "an nvme speed hint"),
     KeySpec("zero_optimization.offload_optimizer.ratio", Float(), 1.0, "Fraction of the optimizer state offloaded with device cpu (Twin-Flow below 1.0): whole units, in model order; the rest steps on the compute device.", check=between(0.0, 1.0)),
     KeySpec("zero_optimization.offload_optimizer.super_offload", Bool(), False, "SuperOffload for superchips (stage 3).", NOT_IMPLEMENTED, "SuperOffload", when_on="true"),
     KeySpec("zero_optimization.offload_optimizer.convert_grad_on_cpu", Bool(), True, "Convert gradients to fp32 on the CPU (vs the GPU).", NO_EFFECT, "a speed hint; the values are identical"),
-    KeySpec("zero_optimization.offload_optimizer.cpuadam_cores_perc", Float(), 0.8, "Share of CPU cores for the CPU Adam step.", NO_EFFECT, "a speed hint", check=between(0.0, 1.0)),
+    KeySpec("zero_optimization.offload_optimizer.cpuadam_cores_perc", Float(), 0.8, "Share of this rank's CPU cores the offloaded optimizer step runs on (its affinity divided among the node's ranks), whatever OMP_NUM_THREADS the launcher set; at least one thread. The rest of the process keeps torch's own count.", check=between(0.0, 1.0)),
     # -- fp16 (runtime/precision_config.py) --
     KeySpec("fp16", Section(), {}, "fp16 mixed precision with dynamic loss scaling."),
     KeySpec("fp16.enabled", Bool(), False, "Compute in fp16; the master weights stay fp32.", auto_from="fp16"),
@@ -531,14 +532,14 @@ _SPECS: list[KeySpec] = [
     KeySpec("data_types.buffer_dtype", Choice(tuple(DTYPE_SPELLINGS)), None, "Cast buffers to this dtype.", NOT_IMPLEMENTED, "a buffer dtype override", nullable=True, when_on="set"),
     # -- aio (runtime/swap_tensor/constants.py) --
     KeySpec("aio", Section(), {}, "Async I/O for nvme offload."),
-    KeySpec("aio.block_size", Int(), 1_048_576, "I/O block size in bytes.", NO_EFFECT, _ONLY_NVME, check=at_least(1)),
+    KeySpec("aio.block_size", Int(), 1_048_576, "Bytes per block of an NVMe optimizer-state read or write; the blocks of one request move on the I/O threads side by side.", check=at_least(1)),
     KeySpec("aio.queue_depth", Int(), 8, "I/O queue depth.", NO_EFFECT, _ONLY_NVME, check=at_least(1)),
-    KeySpec("aio.intra_op_parallelism", Int(), 1, "I/O threads per request.", NO_EFFECT, _ONLY_NVME, check=at_least(1)),
-    KeySpec("aio.thread_count", Int(), 1, "Older spelling of intra_op_parallelism.", NO_EFFECT, _ONLY_NVME, check=at_least(1)),
+    KeySpec("aio.intra_op_parallelism", Int(), 1, "I/O threads that move the blocks of the NVMe optimizer state's reads and writes.", check=at_least(1)),
+    KeySpec("aio.thread_count", Int(), 1, "Older spelling of intra_op_parallelism (read when that key is absent).", check=at_least(1)),
     KeySpec("aio.single_submit", Bool(), False, "Submit requests one by one.", NO_EFFECT, _ONLY_NVME),
     KeySpec("aio.overlap_events", Bool(), True, "Overlap submission and completion.", NO_EFFECT, _ONLY_NVME),
-    KeySpec("aio.use_gds", Bool(), False, "GPUDirect Storage.", NO_EFFECT, _ONLY_NVME),
-    KeySpec("aio.io_backend", Str(), "async_io", "I/O backend.", NO_EFFECT, _ONLY_NVME),
+    KeySpec("aio.use_gds", Bool(), False, "GPUDirect Storage.", NO_EFFECT, _AIO_BACKEND),
+    KeySpec("aio.io_backend", Str(), "async_io", "I/O backend.", NO_EFFECT, _AIO_BACKEND),
     # -- DeepSpeed's activation checkpointing API --
     KeySpec("activation_checkpointing", Section(), {}, "DeepSpeed's activation checkpointing (deepspeed.checkpointing); HF models use model.gradient_checkpointing_enable()."),
     *[KeySpec(f"activation_checkpointing.{name}", kind, default, doc, NOT_IMPLEMENTED, "DeepSpeed's activation checkpointing; use model.gradient_checkpointing_enable()", nullable=default is None, when_on=on)

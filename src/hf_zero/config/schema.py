@@ -134,6 +134,9 @@ class OffloadOptimizerConfig(_Typed):
     """Fast optimizer initialisation with NVMe. Default False."""
     super_offload: bool
     """SuperOffload for superchips. Default False."""
+    cpuadam_cores_perc: float
+    """Share of this rank's cores the host step runs on ([Note: host threads] in
+    hf_zero.offload.threads). Default 0.8."""
 
 
 @dataclass(frozen=True, repr=False, eq=False)

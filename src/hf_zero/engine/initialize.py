@@ -32,6 +32,8 @@ from hf_zero.execution import read_environment
 from hf_zero.host_memory import hand_back_free_heap_pages
 from hf_zero.offload import NvmeOptimizerStore, NvmeParamStore, OffloadSettings, units_to_offload
 from hf_zero.offload.grad_copies import HostGradCopies
+from hf_zero.offload.nvme_io import AioSettings
+from hf_zero.offload.threads import host_step_threads, log_choice
 from hf_zero.partition import KEEP_GATHERED, is_persistent, plan_units
 
 logger = logging.getLogger("hf_zero")
@@ -496,12 +498,34 @@ def _offload_settings(config: HfZeroConfig, optimizer: OptimizerArg, policy: Sha
         pin_params=bool(getattr(zero.offload_param, "pin_memory", True)) if params != "none" else True,
         nvme_path=getattr(zero.offload_optimizer, "nvme_path", None) if opt == "nvme" else None,
         tile_numel=int(zero.sub_group_size),
+        host_threads=_host_threads(zero) if opt != "none" else 0,
+        aio=_aio_settings(config) if opt == "nvme" else AioSettings(),
     )
+
+
+def _aio_settings(config: HfZeroConfig) -> AioSettings:
+    """[Note: NVMe I/O]: the ``aio`` section (``intra_op_parallelism`` over its older spelling
+    ``thread_count``) and the optimizer section's pipeline keys."""
+    section = config.get_value("aio", {}) or {}
+    threads = section.get("intra_op_parallelism", section.get("thread_count", 1))
+    offload = config.zero.offload_optimizer
+    pipeline = bool(offload.pipeline_read or offload.pipeline_write
+                    or config.get_value("zero_optimization.offload_optimizer.pipeline", False))
+    return AioSettings(block_size=int(section.get("block_size", 1 << 20)), threads=int(threads), pipeline=pipeline)
+
+
+def _host_threads(zero: Any) -> int:
+    """[Note: host threads]: the offloaded step's thread count, logged once."""
+    share = float(zero.offload_optimizer.cpuadam_cores_perc)
+    threads = host_step_threads(share)
+    log_choice(threads, share)
+    return threads
 
 
 def _nvme_store(offload: OffloadSettings, rank: int, groups: list[Any]) -> NvmeOptimizerStore:
     """Create the state files (checked before anything is written) and move the masters in."""
-    store = NvmeOptimizerStore(offload.nvme_path, rank, [g.layout.shard_numel for g in groups], offload.tile_numel)
+    store = NvmeOptimizerStore(offload.nvme_path, rank, [g.layout.shard_numel for g in groups], offload.tile_numel,
+                               offload.aio)
     for index, group in enumerate(groups):
         group.master_state.bind_nvme(store, index)
         store.store_master(index, group.storage.read_shard())

@@ -15,6 +15,7 @@ fallback) <- ``cpu`` (torch fused CPU Adam) <- ``triton_*`` (kernel + launcher p
 from hf_zero.kernels import reference
 from hf_zero.kernels.dispatch import BACKENDS
 from hf_zero.kernels.dispatch import OPS
+from hf_zero.kernels.dispatch import add_scaled_
 from hf_zero.kernels.dispatch import backend_for
 from hf_zero.kernels.dispatch import fused_adam_
 from hf_zero.kernels.dispatch import nonfinite_and_sqnorm
@@ -24,6 +25,7 @@ from hf_zero.kernels.dispatch import unpack_after_all_gather
 __all__ = [
     "BACKENDS",
     "OPS",
+    "add_scaled_",
     "backend_for",
     "fused_adam_",
     "nonfinite_and_sqnorm",

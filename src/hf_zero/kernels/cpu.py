@@ -96,6 +96,41 @@ def fused_adam_cpu_(
             out_flat[start:stop].copy_(p)
 
 
+# [Note: landing 16-bit gradients on the host] torch's CPU add of a bf16/fp16 tensor into an
+# fp32 one (``shard.add_(bf16, alpha=a)``) takes the element-at-a-time path for mixed dtypes:
+# 51 ms per 16M elements on one thread of a 2-core EPYC, against 6 ms for the same add in fp32
+# and 4.7 ms for the bf16 -> fp32 copy alone. So the reduced 16-bit part is converted a chunk at
+# a time into a cache-sized fp32 scratch and added from there (7.6 ms), or, into a shard that
+# holds zeros, copied and scaled in place (7.0 ms). Both give the values of the mixed add: the
+# add computes ``dst + a * x`` with one rounding (a fused multiply-add), which for ``dst = 0`` is
+# ``a * x``, what the scaling computes (up to the sign of a zero).
+LAND_CHUNK_NUMEL = CPU_CHUNK_NUMEL
+
+
+def add_scaled_cpu_(dst: torch.Tensor, src: torch.Tensor, alpha: float, *, dst_is_zero: bool = False) -> None:
+    """``dst += alpha * src`` for an fp32 CPU ``dst`` and a CPU ``src`` of any float dtype, the
+    same numel ([Note: landing 16-bit gradients on the host]); ``dst_is_zero``: ``dst`` holds
+    zeros, so it may be overwritten."""
+    d, x = dst.view(-1), src.reshape(-1)
+    if x.dtype == d.dtype:
+        if dst_is_zero:
+            torch.mul(x, alpha, out=d) if alpha != 1.0 else d.copy_(x)
+        else:
+            d.add_(x, alpha=alpha)
+        return
+    numel = d.numel()
+    scratch = None if dst_is_zero else torch.empty(min(numel, LAND_CHUNK_NUMEL), dtype=d.dtype)
+    for start in range(0, numel, LAND_CHUNK_NUMEL):
+        stop = min(numel, start + LAND_CHUNK_NUMEL)
+        if scratch is None:
+            d[start:stop].copy_(x[start:stop])
+            if alpha != 1.0:
+                d[start:stop].mul_(alpha)
+        else:
+            part = scratch[: stop - start].copy_(x[start:stop])
+            d[start:stop].add_(part, alpha=alpha)
+
+
 # [Note: accurate norms] torch's CPU norm accumulates a whole tensor in a handful of fp32 lanes:
 # the running sum grows until each square added loses its low bits, so a flat shard of 1e8
 # gradients comes out 1-2% low. Each tensor is therefore reduced in rows of NORM_CHUNK_NUMEL

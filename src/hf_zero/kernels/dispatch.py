@@ -177,3 +177,16 @@ def nonfinite_and_sqnorm(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor,
             return cpu.nonfinite_and_sqnorm_cpu(tensors)
         return reference.nonfinite_and_sqnorm(tensors)
     return _TRITON["norm"].nonfinite_and_sqnorm_triton(tensors, interpret=INTERPRET)
+
+
+def add_scaled_(dst: torch.Tensor, src: torch.Tensor, alpha: float = 1.0, *, dst_is_zero: bool = False) -> None:
+    """``dst += alpha * src`` (``dst`` fp32, ``src`` any float dtype, on one device): a reduced
+    gradient part into its gradient shard. On the CPU a 16-bit ``src`` is converted in chunks
+    ([Note: landing 16-bit gradients on the host] in ``cpu``); elsewhere torch's add, which
+    reads mixed dtypes at full speed. ``dst_is_zero``: ``dst`` holds zeros and may be
+    overwritten instead."""
+    if dst.device.type == "cpu" and src.device.type == "cpu":
+        cpu.add_scaled_cpu_(dst, src, alpha, dst_is_zero=dst_is_zero)
+    else:
+        dst.add_(src, alpha=alpha)
+

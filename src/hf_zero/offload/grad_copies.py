@@ -6,7 +6,8 @@ result, on the device, is added into it. The add needs the copy to have landed, 
 it inside the backward hook blocks the thread that queues the GPU's work: nothing new is queued
 until the copy is done. So each reduced part is copied on the copy-out stream into a staging
 buffer (pinned when the optimizer section says so) and queued here, and it is added into its
-group's shard:
+group's shard (converted in chunks, or copied into a shard that holds zeros: [Note: landing
+16-bit gradients on the host] in hf_zero.kernels.cpu):
 
 - when the host reads that shard: the offloaded step of the group (on its worker thread, see
   [Note: overlapped offload step]), the optimizer step, or a ``zero_grad``;
@@ -33,6 +34,7 @@ from typing import Any
 import torch
 
 from hf_zero.execution import Completion
+from hf_zero.kernels import add_scaled_
 
 IN_FLIGHT = 2  # reduced parts whose copy to the host may be in flight at once
 
@@ -43,6 +45,7 @@ class _Copy:
     staging: torch.Tensor
     copied: Completion
     divisor: int
+    overwrite: bool  # the shard holds zeros: the step's first part into it
 
 
 class HostGradCopies:
@@ -52,9 +55,9 @@ class HostGradCopies:
         self._queue: deque[_Copy] = deque()
         self._lock = threading.Lock()
 
-    def push(self, grads: Any, staging: torch.Tensor, copied: Completion, divisor: int) -> None:
+    def push(self, grads: Any, staging: torch.Tensor, copied: Completion, divisor: int, overwrite: bool) -> None:
         with self._lock:
-            self._queue.append(_Copy(grads, staging, copied, divisor))
+            self._queue.append(_Copy(grads, staging, copied, divisor, overwrite))
             while len(self._queue) > IN_FLIGHT:
                 self._land_oldest()
 
@@ -71,4 +74,4 @@ class HostGradCopies:
     def _land_oldest(self) -> None:
         copy = self._queue.popleft()
         copy.copied.wait_on_host()
-        copy.grads.shard.add_(copy.staging, alpha=1.0 / copy.divisor)
+        add_scaled_(copy.grads.shard, copy.staging, 1.0 / copy.divisor, dst_is_zero=copy.overwrite)

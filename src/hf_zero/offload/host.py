@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from hf_zero.offload.nvme_io import AioSettings
+
 
 
 @dataclass(frozen=True)
@@ -18,6 +20,11 @@ class OffloadSettings:
     pin_params: bool = True  # offload_param.pin_memory: stage-3 parameter shards on the host
     nvme_path: str | None = None
     tile_numel: int = 1 << 20  # elements per NVMe read/step/write tile (sub_group_size)
+    # Threads the host step of offloaded optimizer state runs on ([Note: host threads] in
+    # hf_zero.offload.threads); 0: torch's own count (no optimizer state on the host).
+    host_threads: int = 0
+    # optimizer "nvme": the aio section and whether tiles overlap ([Note: NVMe I/O]).
+    aio: AioSettings = AioSettings()
     # params "nvme": the rank's NvmeParamStore (hf_zero.offload.nvme_params), which the flat
     # groups register their shards with as they are built.
     param_store: Any = field(default=None, compare=False, repr=False)

@@ -6,8 +6,10 @@ shard long) in ``<nvme_path>/hf_zero-rank<r>-pid<pid>/``. The step walks each gr
 ``sub_group_size`` elements: read the three tiles into three reusable buffers, run the fused Adam
 kernel on them with the (in-memory) fp32 gradient tile, write the updated compute copy straight
 into the rank's parameter shard, and write the three tiles back. Resident memory for the
-optimizer is therefore three tiles, whatever the model's size. Files are read and written with
-``os.preadv`` / ``os.pwrite``: their pages live in the page cache, not in the process. The
+optimizer is therefore three tiles (six with ``pipeline_read``/``pipeline_write``, which read the
+next tile and write the last while a tile steps), whatever the model's size. Files are read and
+written with ``os.preadv`` / ``os.pwrite`` on I/O threads ([Note: NVMe I/O] in nvme_io.py):
+their pages live in the page cache, not in the process. The
 folder is removed at a clean exit; a missing, read-only or too small ``nvme_path`` is an error
 before anything is written.
 """
@@ -25,6 +27,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from hf_zero.offload.nvme_io import AioSettings, FileIo, IoRequest, pread_all, pwrite_all
 from hf_zero.processes import pid_alive
 
 logger = logging.getLogger("hf_zero")
@@ -42,26 +45,6 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     if nbytes == 0:
         return memoryview(bytearray())
     return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
-
-
-def pwrite_all(fd: int, data: memoryview, offset: int, path: str) -> None:
-    """All of ``data`` at byte ``offset`` (Linux moves at most 2 GiB - 4 KiB per call)."""
-    done = 0
-    while done < data.nbytes:
-        written = os.pwrite(fd, data[done:], offset + done)
-        if written <= 0:
-            raise OSError(f"short write to {path}: {done} of {data.nbytes} bytes (disk full?)")
-        done += written
-
-
-def pread_all(fd: int, view: memoryview, offset: int, path: str) -> None:
-    """Fill ``view`` from byte ``offset`` (a file shorter than that is an error)."""
-    done = 0
-    while done < view.nbytes:
-        read = os.preadv(fd, [view[done:]], offset + done)
-        if read <= 0:
-            raise OSError(f"short read from {path}: {done} of {view.nbytes} bytes")
-        done += read
 
 
 def format_bytes(count: int) -> str:
@@ -123,7 +106,8 @@ def report_stale_folders(path: str) -> list[str]:
 class NvmeOptimizerStore:
     """The NVMe half of the optimizer: see [Note: NVMe optimizer offload]."""
 
-    def __init__(self, nvme_path: str | None, rank: int, shard_numels: list[int], tile_numel: int) -> None:
+    def __init__(self, nvme_path: str | None, rank: int, shard_numels: list[int], tile_numel: int,
+                 aio: AioSettings = AioSettings()) -> None:
         check_nvme_path(nvme_path, needed_bytes=sum(shard_numels) * 4 * len(STATES))
         self.dir = os.path.join(str(nvme_path), f"hf_zero-rank{rank}-pid{os.getpid()}")
         os.makedirs(self.dir, exist_ok=True)
@@ -139,7 +123,16 @@ class NvmeOptimizerStore:
                 fd = os.open(self.path(index, state), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
                 os.ftruncate(fd, numel * 4)  # zeros: the initial moments
                 self._fds[(index, state)] = fd
-        self._buffers = {s: torch.empty(self.tile_numel, dtype=torch.float32) for s in STATES}
+        # One set of tile buffers, two when tiles overlap ([Note: NVMe I/O] in nvme_io.py).
+        self._buffer_sets = [{s: torch.empty(self.tile_numel, dtype=torch.float32) for s in STATES}
+                             for _ in range(2 if aio.pipeline else 1)]
+        self.io = FileIo(aio)
+        # The next group's first tile, read while the last tile of a group stepped:
+        # (group, start, stop, buffer set, its reads).
+        self._prefetch: tuple[int, int, int, int, list[IoRequest]] | None = None
+        self._last_stepped: int | None = None  # the group stepped before: which way the groups go
+        # What the step did, in order, when a test asks (a list of (event, tile start)); None: off.
+        self.trace: list[tuple[str, int]] | None = None
         atexit.register(self.close)
 
     def path(self, index: int, state: str) -> str:
@@ -150,6 +143,7 @@ class NvmeOptimizerStore:
         return sum(self.numels) * 4 * len(STATES)
 
     def write(self, index: int, state: str, start: int, values: torch.Tensor) -> None:
+        self._drop_prefetch()  # it may hold what this overwrites
         data = values.detach().to("cpu", torch.float32).contiguous()
         pwrite_all(self._fds[(index, state)], byte_view(data), start * 4, self.path(index, state))
 
@@ -189,26 +183,96 @@ class NvmeOptimizerStore:
         self.steps[index] += 1
         runs = step_runs(segments, used, self.slot_steps[index])
         beta1, beta2 = hyper["betas"]
+        tiles = []  # (start, stop, parts): the tiles holding a parameter some rank used
         for start in range(0, self.numels[index], self.tile_numel):
             stop = min(self.numels[index], start + self.tile_numel)
             parts = [(max(r.lo, start) - start, min(r.hi, stop) - start, r.step) for r in runs
                      if r.lo < stop and r.hi > start]
-            if not parts:
-                continue
-            tiles = {s: self._buffers[s][: stop - start] for s in STATES}
-            for state, tile in tiles.items():
-                self.read_into(index, state, start, tile)
-            for lo, hi, step in parts:
-                fused_adam_(
-                    tiles["master"][lo:hi], grad[start + lo:start + hi], tiles["exp_avg"][lo:hi],
-                    tiles["exp_avg_sq"][lo:hi],
-                    lr=float(hyper["lr"]), beta1=beta1, beta2=beta2, eps=hyper["eps"],
-                    weight_decay=hyper["weight_decay"], step=step,
-                    adamw=hyper.get("decoupled_weight_decay", True), grad_scale=grad_scale, clip_coef=clip_coef,
-                )
-            write_compute(tiles["master"], start)
-            for state, tile in tiles.items():
-                self.write(index, state, start, tile)
+            if parts:
+                tiles.append((start, stop, parts))
+        sets = self._buffer_sets
+        pipelined = len(sets) > 1
+        offset, reads = 0, []  # tile ``number`` steps in buffer set (number + offset) % len(sets)
+        prefetch, self._prefetch = self._prefetch, None
+        if prefetch is not None and tiles and prefetch[:3] == (index, tiles[0][0], tiles[0][1]):
+            offset, reads = prefetch[3], prefetch[4]
+        elif prefetch is not None:
+            _wait(prefetch[4], quietly=True)  # another tile than this step's first: not used
+        if tiles and not reads:
+            reads = self._read_tile(index, tiles[0], sets[offset])
+        before, self._last_stepped = self._last_stepped, index
+        writes: list[list[IoRequest]] = [[] for _ in sets]  # per buffer set: its writes in flight
+        try:
+            for number, (start, stop, parts) in enumerate(tiles):
+                current = (number + offset) % len(sets)
+                if not pipelined and number > 0:
+                    reads = self._read_tile(index, tiles[number], sets[current])
+                _wait(reads)
+                reads = []
+                if pipelined:  # the next tile is read while this one steps
+                    following = (number + 1 + offset) % len(sets)
+                    if number + 1 < len(tiles):
+                        _wait(writes[following])  # into the buffers of the tile before this one
+                        reads = self._read_tile(index, tiles[number + 1], sets[following])
+                    elif (upcoming := self._next_group(index, before)) is not None:  # the next group's first tile
+                        _wait(writes[following])
+                        self._prefetch_next(upcoming, following)
+                self._note("step", start)
+                buffers = {state: buffer[: stop - start] for state, buffer in sets[current].items()}
+                for lo, hi, step in parts:
+                    fused_adam_(
+                        buffers["master"][lo:hi], grad[start + lo:start + hi], buffers["exp_avg"][lo:hi],
+                        buffers["exp_avg_sq"][lo:hi],
+                        lr=float(hyper["lr"]), beta1=beta1, beta2=beta2, eps=hyper["eps"],
+                        weight_decay=hyper["weight_decay"], step=step,
+                        adamw=hyper.get("decoupled_weight_decay", True), grad_scale=grad_scale, clip_coef=clip_coef,
+                    )
+                write_compute(buffers["master"], start)
+                writes[current] = [self._write_tile(index, state, start, buffers[state]) for state in STATES]
+                if not pipelined:  # the next tile is read into these buffers
+                    _wait(writes[0])
+            for pending in writes:
+                _wait(pending)
+        except BaseException:  # no read or write may still be moving once the step has returned
+            for pending in [*writes, reads]:
+                _wait(pending, quietly=True)
+            self._drop_prefetch()
+            raise
+
+    def _next_group(self, index: int, before: int | None) -> int | None:
+        """The group likely to step after ``index`` (``before`` stepped before it): the next one,
+        or the one before when the groups go backwards (the overlapped step takes them in the
+        backward's order)."""
+        following = index - 1 if before == index + 1 else index + 1
+        return following if 0 <= following < len(self.numels) else None
+
+    def _prefetch_next(self, index: int, slot: int) -> None:
+        """Read group ``index``'s first tile into buffer set ``slot``, for its step to take."""
+        start, stop = 0, min(self.numels[index], self.tile_numel)
+        self._note("prefetch", index)
+        reads = self._read_tile(index, (start, stop, None), self._buffer_sets[slot], note=False)
+        self._prefetch = (index, start, stop, slot, reads)
+
+    def _drop_prefetch(self) -> None:
+        if self._prefetch is not None:
+            _wait(self._prefetch[4], quietly=True)
+            self._prefetch = None
+
+    def _read_tile(self, index: int, tile: tuple[int, int, Any], buffers: dict[str, torch.Tensor],
+                   note: bool = True) -> list[IoRequest]:
+        start, stop, _ = tile
+        if note:
+            self._note("read", start)
+        return [self.io.read(self._fds[(index, state)], byte_view(buffers[state][: stop - start]), start * 4,
+                             self.path(index, state)) for state in STATES]
+
+    def _write_tile(self, index: int, state: str, start: int, values: torch.Tensor) -> IoRequest:
+        self._note("write", start)
+        return self.io.write(self._fds[(index, state)], byte_view(values), start * 4, self.path(index, state))
+
+    def _note(self, event: str, start: int) -> None:
+        if self.trace is not None:
+            self.trace.append((event, start))
 
     # ---------------------------------------------------------- undo copies (overlapped step)
     def snapshot(self, index: int) -> tuple[tuple[int, list[int] | None], list[str]]:
@@ -243,6 +307,8 @@ class NvmeOptimizerStore:
                 os.remove(copy)
 
     def close(self) -> None:
+        self._drop_prefetch()
+        self.io.close()
         for (index, state), fd in self._fds.items():
             os.close(fd)
             try:
@@ -254,3 +320,15 @@ class NvmeOptimizerStore:
             os.rmdir(self.dir)  # unless parameter files (offload_param nvme) still live in it
         except OSError:
             pass
+
+
+def _wait(requests: list[IoRequest], quietly: bool = False) -> None:
+    """Every request has completed; its error is raised unless ``quietly`` (then the first error
+    already on its way up is the one the caller sees)."""
+    for request in requests:
+        if quietly:
+            with contextlib.suppress(Exception):
+                request.wait()
+        else:
+            request.wait()
+

@@ -39,7 +39,8 @@ import torch
 
 from hf_zero.config.errors import ConfigProblem, HfZeroConfigError
 from hf_zero.execution import DONE, Completion
-from hf_zero.offload.nvme import byte_view, check_nvme_path, pread_all, pwrite_all
+from hf_zero.offload.nvme import byte_view, check_nvme_path
+from hf_zero.offload.nvme_io import pread_all, pwrite_all
 from hf_zero.transfer import to_compute_async
 
 DTYPE_SUFFIX = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}

@@ -28,6 +28,7 @@ from hf_zero.engine.optim.inner_step import (
 from hf_zero.engine.sharding.param_usage import Segment, advanced_steps, step_runs
 from hf_zero.engine.policy import ShardingPolicy
 from hf_zero.engine.optim.step_pipeline import StepOutcome, StepPipeline
+from hf_zero.offload.threads import running_on
 
 if TYPE_CHECKING:  # annotations only (overlap_step imports this module at run time)
     from hf_zero.engine.optim.loss_scaler import LossScaler
@@ -283,13 +284,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """The sharded step. ``some_rank_left_unused``: whether some rank has a parameter
         without a gradient (the engine's check-in says; None: asked over the host group)."""
         self._opt_called = True  # what torch LR schedulers check to see the step happened first
-        if self.overlapped is not None:
-            # Whether this rank's worker got any group depends on its own path; the step's
-            # collectives must not: every rank with the overlapped step configured finishes it
-            # the same way (two all-reduces), stepping here what the worker did not get.
-            self.overlapped.finish(some_rank_left_unused)
-            return
-        self.pipeline.run(some_rank_left_unused)
+        with running_on(self.pipeline.host_threads):  # [Note: host threads]
+            if self.overlapped is not None:
+                # Whether this rank's worker got any group depends on its own path; the step's
+                # collectives must not: every rank with the overlapped step configured finishes it
+                # the same way (two all-reduces), stepping here what the worker did not get.
+                self.overlapped.finish(some_rank_left_unused)
+                return
+            self.pipeline.run(some_rank_left_unused)
 
     # A torch scheduler re-pointed at this optimizer (see initialize) reads this marker, which
     # its constructor would have set by wrapping ``step``; our step is the tracked one.

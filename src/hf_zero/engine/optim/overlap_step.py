@@ -43,6 +43,7 @@ from hf_zero.engine.optim.inner_step import NvmeInnerStep
 from hf_zero.engine.optim.optimizer import ZeroAdam
 from hf_zero.engine.optim.step_pipeline import StepOutcome, StepPipeline
 from hf_zero.execution import bound_thread_initializer
+from hf_zero.offload.threads import running_on
 from hf_zero.transfer import host_snapshot
 
 if TYPE_CHECKING:
@@ -92,12 +93,13 @@ class OverlappedOffloadStep:
         inf/nan (then it is left unchanged)."""
         from hf_zero.kernels import nonfinite_and_sqnorm
 
-        group.grads.land_host_grads()  # the host waits for the copy here, on the worker, not in the backward
-        found, sqnorm = nonfinite_and_sqnorm([group.grads.shard])
-        if bool(found):
-            return float(sqnorm), True
-        self.undo[id(group)] = (group, self._snapshot(group))
-        self.inner_step.apply_group(group)
+        with running_on(self.pipeline.host_threads):  # on the worker too: [Note: host threads]
+            group.grads.land_host_grads()  # the host waits for the copy here, on the worker, not in the backward
+            found, sqnorm = nonfinite_and_sqnorm([group.grads.shard])
+            if bool(found):
+                return float(sqnorm), True
+            self.undo[id(group)] = (group, self._snapshot(group))
+            self.inner_step.apply_group(group)
         return float(sqnorm), False
 
     def finish(self, some_rank_left_unused: bool | None = None) -> None:

@@ -142,6 +142,9 @@ class StepPipeline:
         self._all_used = [[True] * len(g.params) for g in groups]
         self._terms_on_host: torch.Tensor | None = None  # where a pending step's two numbers land
         self._norm_on_device: torch.Tensor | None = None  # the pending step's norm, unread
+        # [Note: host threads] in hf_zero.offload.threads: what a step with optimizer state on the
+        # host runs on (0: torch's own count, nothing is on the host).
+        self.host_threads = max((g.offload.host_threads for g in groups if g.offload.optimizer_on_host), default=0)
 
     @property
     def device(self) -> torch.device:

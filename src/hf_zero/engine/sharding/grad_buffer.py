@@ -44,7 +44,8 @@ leaves nothing to divide (its inputs were divided), so the collective writes the
 no result buffer (at the untied head of the 134M Llama of the Trainer test, 49 MiB per rank
 alive during its reduction) and no addition. Adding into zeros is exact, so the values are
 those of the buffered path. Later reductions of the step (micro-steps of an accumulation), 16-bit ones, and those whose
-result is copied to the host, take the buffer and add.
+result is copied to the host, take the buffer and add (on the host, a first one into the zeroed
+shard is a copy: [Note: landing 16-bit gradients on the host] in hf_zero.kernels.cpu).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from torch import nn
 from hf_zero.comm import Communicator, Handle
 from hf_zero.engine.sharding.buffer_pool import BufferPool, allocate_storage, free_storage, storage_bytes
 from hf_zero.engine.sharding.grad_average import plan_average, post_divisor
+from hf_zero.kernels import add_scaled_
 from hf_zero.engine.policy import ShardingPolicy
 from hf_zero.host_memory import CAN_SWAP_STORAGE, lasting_zeros
 from hf_zero.execution import execution_for
@@ -411,14 +413,17 @@ class GradBuffer:
         there. ``divisor`` is what [Note: averaging gradients over ranks] left to divide. Into a
         host shard the add happens when the copy lands ([Note: gradients copied to the host])."""
         shard = self.ensure_shard()
+        # The step's first part into a zeroed shard overwrites it ([Note: landing 16-bit
+        # gradients on the host] in hf_zero.kernels.cpu); stage 0's shard is autograd's buffer.
+        overwrite = self.shard_is_zero and self.policy.shards_optimizer_state
         self.shard_is_zero = False
         copies = self.offload.grad_copies
         if copies is None or not is_host_store(shard) or is_host_store(reduced):
-            shard.add_(reduced, alpha=1.0 / divisor)
+            add_scaled_(shard, reduced, 1.0 / divisor, dst_is_zero=overwrite)
             return
         staging, copied = execution_for(reduced.device).stage_to_host(
             reduced, self.offload.pin_memory, f"{self.label} gradients to the host")
-        copies.push(self, staging, copied, divisor)
+        copies.push(self, staging, copied, divisor, overwrite)
 
     def land_host_grads(self) -> None:
         """The host reads this group's gradient shard next: its copies in flight land first."""
