@@ -63,19 +63,8 @@ def fused_adam_(
         g = g / grad_scale
     if clip_coef != 1.0:
         g = g * clip_coef
-    if weight_decay != 0.0:
-        if adamw:
-            master.mul_(1.0 - lr * weight_decay)
-        else:
-            g = g.add(master, alpha=weight_decay)
-    exp_avg.lerp_(g, 1.0 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-    step_size = lr / (1.0 - beta1**step)
-    bias_correction2_sqrt = math.sqrt(1.0 - beta2**step)
-    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-    master.addcdiv_(exp_avg, denom, value=-step_size)
-    if out is not None:
-        out.copy_(master)
+    _adam_update_(master, g, exp_avg, exp_avg_sq, out, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                  weight_decay=weight_decay, step=step, adamw=adamw)
 
 
 def _adam_with_factors(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
@@ -86,7 +75,18 @@ def _adam_with_factors(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.
     state = [master, exp_avg, exp_avg_sq] + ([out] if out is not None else [])
     new = [t.clone() for t in state]
     g = grad.float() / factors[0] * factors[1]
-    p, m, v = new[0], new[1], new[2]
+    _adam_update_(new[0], g, new[1], new[2], new[3] if out is not None else None, lr=lr, beta1=beta1,
+                  beta2=beta2, eps=eps, weight_decay=weight_decay, step=step, adamw=adamw)
+    keep = factors[2] != 0
+    for target, updated in zip(state, new):
+        target.copy_(torch.where(keep, target, updated))
+
+
+def _adam_update_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None, *,
+                  lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
+                  adamw: bool) -> None:
+    """Adam(W) on ``p`` with the fp32 gradient ``g`` (already unscaled and clipped), moments
+    ``m`` and ``v``; ``out`` gets the new ``p``."""
     if weight_decay != 0.0:
         if adamw:
             p.mul_(1.0 - lr * weight_decay)
@@ -94,13 +94,12 @@ def _adam_with_factors(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.
             g = g.add(p, alpha=weight_decay)
     m.lerp_(g, 1.0 - beta1)
     v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-    denom = (v.sqrt() / math.sqrt(1.0 - beta2**step)).add_(eps)
-    p.addcdiv_(m, denom, value=-(lr / (1.0 - beta1**step)))
+    step_size = lr / (1.0 - beta1**step)
+    bias_correction2_sqrt = math.sqrt(1.0 - beta2**step)
+    denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
+    p.addcdiv_(m, denom, value=-step_size)
     if out is not None:
-        new[3].copy_(p)
-    keep = factors[2] != 0
-    for target, updated in zip(state, new):
-        target.copy_(torch.where(keep, target, updated))
+        out.copy_(p)
 
 
 def pack_for_reduce_scatter(
