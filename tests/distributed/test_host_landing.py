@@ -1,5 +1,5 @@
 """Reduced 16-bit gradients land in fp32 gradient shards on the host without torch's mixed-dtype
-add ([Note: landing 16-bit gradients on the host] in hf_zero.kernels.cpu), which is about 8x
+add ([Note: landing 16-bit gradients on the host] in hf_zero.kernels.cpu), which is about 6x
 slower on the CPU than converting first: on a real gloo group of 2, bf16, stages 2 and 3, with
 the optimizer on the compute device (here the CPU) and offloaded, with and without gradient
 accumulation, every Python-level ``Tensor.add_`` of a 16-bit tensor into an fp32 CPU tensor is

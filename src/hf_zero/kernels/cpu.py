@@ -97,11 +97,11 @@ def fused_adam_cpu_(
 
 
 # [Note: landing 16-bit gradients on the host] torch's CPU add of a bf16/fp16 tensor into an
-# fp32 one (``shard.add_(bf16, alpha=a)``) takes the element-at-a-time path for mixed dtypes:
-# 51 ms per 16M elements on one thread of a 2-core EPYC, against 6 ms for the same add in fp32
-# and 4.7 ms for the bf16 -> fp32 copy alone. So the reduced 16-bit part is converted a chunk at
-# a time into a cache-sized fp32 scratch and added from there (7.6 ms), or, into a shard that
-# holds zeros, copied and scaled in place (7.0 ms). Both give the values of the mixed add: the
+# fp32 one (``shard.add_(bf16, alpha=a)``) takes the element-at-a-time path for mixed dtypes,
+# about 7x slower than the same add in fp32 (docs/benchmarks.md, "A 16-bit gradient landing on
+# the host"). So the reduced 16-bit part is converted a chunk at a time into a cache-sized fp32
+# scratch and added from there, or, into a shard that holds zeros, copied and scaled in place:
+# within 1.2x of the fp32 add. Both give the values of the mixed add: the
 # add computes ``dst + a * x`` with one rounding (a fused multiply-add), which for ``dst = 0`` is
 # ``a * x``, what the scaling computes (up to the sign of a zero).
 LAND_CHUNK_NUMEL = CPU_CHUNK_NUMEL
