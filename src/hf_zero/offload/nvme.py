@@ -23,6 +23,7 @@ import logging
 import os
 import re
 import shutil
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
@@ -127,9 +128,8 @@ class NvmeOptimizerStore:
         self._buffer_sets = [{s: torch.empty(self.tile_numel, dtype=torch.float32) for s in STATES}
                              for _ in range(2 if aio.pipeline else 1)]
         self.io = FileIo(aio)
-        # The next group's first tile, read while the last tile of a group stepped:
-        # (group, start, stop, buffer set, its reads).
-        self._prefetch: tuple[int, int, int, int, list[IoRequest]] | None = None
+        # The next group's first tile, read while the last tile of a group stepped.
+        self._prefetch: _ReadAhead | None = None
         self._last_stepped: int | None = None  # the group stepped before: which way the groups go
         # What the step did, in order, when a test asks (a list of (event, tile start)); None: off.
         self.trace: list[tuple[str, int]] | None = None
@@ -194,26 +194,26 @@ class NvmeOptimizerStore:
         pipelined = len(sets) > 1
         offset, reads = 0, []  # tile ``number`` steps in buffer set (number + offset) % len(sets)
         prefetch, self._prefetch = self._prefetch, None
-        if prefetch is not None and tiles and prefetch[:3] == (index, tiles[0][0], tiles[0][1]):
-            offset, reads = prefetch[3], prefetch[4]
+        if prefetch is not None and tiles and (prefetch.index, prefetch.start, prefetch.stop) == (index, *tiles[0][:2]):
+            offset, reads = prefetch.buffer_set, prefetch.reads
         elif prefetch is not None:
-            _wait(prefetch[4], quietly=True)  # another tile than this step's first: not used
+            _wait(prefetch.reads, quietly=True)  # another tile than this step's first: not used
         if tiles and not reads:
-            reads = self._read_tile(index, tiles[0], sets[offset])
+            reads = self._read_tile(index, *tiles[0][:2], sets[offset])
         before, self._last_stepped = self._last_stepped, index
         writes: list[list[IoRequest]] = [[] for _ in sets]  # per buffer set: its writes in flight
         try:
             for number, (start, stop, parts) in enumerate(tiles):
                 current = (number + offset) % len(sets)
                 if not pipelined and number > 0:
-                    reads = self._read_tile(index, tiles[number], sets[current])
+                    reads = self._read_tile(index, start, stop, sets[current])
                 _wait(reads)
                 reads = []
                 if pipelined:  # the next tile is read while this one steps
                     following = (number + 1 + offset) % len(sets)
                     if number + 1 < len(tiles):
                         _wait(writes[following])  # into the buffers of the tile before this one
-                        reads = self._read_tile(index, tiles[number + 1], sets[following])
+                        reads = self._read_tile(index, *tiles[number + 1][:2], sets[following])
                     elif (upcoming := self._next_group(index, before)) is not None:  # the next group's first tile
                         _wait(writes[following])
                         self._prefetch_next(upcoming, following)
@@ -248,21 +248,20 @@ class NvmeOptimizerStore:
 
     def _prefetch_next(self, index: int, slot: int) -> None:
         """Read group ``index``'s first tile into buffer set ``slot``, for its step to take."""
-        start, stop = 0, min(self.numels[index], self.tile_numel)
+        stop = min(self.numels[index], self.tile_numel)
         self._note("prefetch", index)
-        reads = self._read_tile(index, (start, stop, None), self._buffer_sets[slot], note=False)
-        self._prefetch = (index, start, stop, slot, reads)
+        self._prefetch = _ReadAhead(index, 0, stop, slot, self._submit_reads(index, 0, stop, self._buffer_sets[slot]))
 
     def _drop_prefetch(self) -> None:
         if self._prefetch is not None:
-            _wait(self._prefetch[4], quietly=True)
+            _wait(self._prefetch.reads, quietly=True)
             self._prefetch = None
 
-    def _read_tile(self, index: int, tile: tuple[int, int, Any], buffers: dict[str, torch.Tensor],
-                   note: bool = True) -> list[IoRequest]:
-        start, stop, _ = tile
-        if note:
-            self._note("read", start)
+    def _read_tile(self, index: int, start: int, stop: int, buffers: dict[str, torch.Tensor]) -> list[IoRequest]:
+        self._note("read", start)
+        return self._submit_reads(index, start, stop, buffers)
+
+    def _submit_reads(self, index: int, start: int, stop: int, buffers: dict[str, torch.Tensor]) -> list[IoRequest]:
         return [self.io.read(self._fds[(index, state)], byte_view(buffers[state][: stop - start]), start * 4,
                              self.path(index, state)) for state in STATES]
 
@@ -320,6 +319,18 @@ class NvmeOptimizerStore:
             os.rmdir(self.dir)  # unless parameter files (offload_param nvme) still live in it
         except OSError:
             pass
+
+
+@dataclass
+class _ReadAhead:
+    """A tile read before its group's step asked for it: elements [start, stop) of group
+    ``index``'s three states, into buffer set ``buffer_set``."""
+
+    index: int
+    start: int
+    stop: int
+    buffer_set: int
+    reads: list[IoRequest]
 
 
 def _wait(requests: list[IoRequest], quietly: bool = False) -> None:

@@ -51,10 +51,6 @@ class IoRequest:
         if errors:
             raise errors[0]
 
-    @property
-    def done(self) -> bool:
-        return all(f.done() for f in self._futures)
-
 
 class FileIo:
     """The I/O threads of one NVMe optimizer store ([Note: NVMe I/O])."""

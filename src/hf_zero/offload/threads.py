@@ -62,8 +62,8 @@ def host_step_threads(cores_perc: float, cores: int | None = None) -> int:
 def running_on(threads: int) -> Iterator[None]:
     """torch's intra-op thread count is ``threads`` on this thread inside the block, and what it
     was after it (``threads`` 0: left alone)."""
-    previous = torch.get_num_threads()
-    if threads <= 0 or threads == previous:
+    previous = torch.get_num_threads() if threads > 0 else threads
+    if threads == previous:
         yield
         return
     torch.set_num_threads(threads)
