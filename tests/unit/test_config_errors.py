@@ -210,7 +210,6 @@ def test_partial_optimizer_offload_needs_device_cpu(device: str) -> None:
         ({"tensor_parallel": {"autotp_size": 2}}, "tensor_parallel"),
         ({"compile": {"deepcompile": True}}, "compile"),
         ({"gradient_allreduce_op": "sum"}, "gradient_allreduce_op"),
-        ({"sequence_parallel_size": 2}, "sequence_parallel_size"),
     ],
 )
 def test_unimplemented_feature_turned_on(config: dict[str, Any], path: str) -> None:

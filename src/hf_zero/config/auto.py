@@ -159,6 +159,19 @@ def _resolve_batch(root: dict[str, Any], world_size: int | None, values: dict[st
     return batch
 
 
+def _data_parallel_world(root: dict[str, Any], world_size: int | None) -> tuple[int | None, ConfigProblem | None]:
+    """The world the batch sizes count: the data-parallel ranks, world / sequence_parallel_size
+    ([Note: sequence-parallel layout]: the ranks of a group share their samples)."""
+    size = root.get("sequence_parallel_size", 1)
+    if world_size is None or not isinstance(size, int) or isinstance(size, bool) or size <= 1:
+        return world_size, None
+    if world_size % size:
+        return world_size, ConfigProblem(
+            "sequence_parallel_size", size, f"must divide the world size {world_size}",
+            f"launch a multiple of {size} processes, or set sequence_parallel_size to a divisor of {world_size}")
+    return world_size // size, None
+
+
 def _check_arguments(world_size: int | None, hidden_size: int | None, values: dict[str, Any]) -> ProblemList:
     problems = ProblemList()
     for name, value in (("world_size", world_size), ("hidden_size", hidden_size)):
@@ -187,6 +200,9 @@ def resolve_dict(
     if check_mismatches:
         problems += _mismatches(resolved, values)
     filled = _fill_autos(resolved, hidden_size, values)
+    world_size, problem = _data_parallel_world(resolved, world_size)
+    if problem is not None:
+        problems.append(problem)
     batch = _resolve_batch(resolved, world_size, values)
     problems += batch.problems
     for problem in validate(resolved, allow_auto=False, check_batch=False):

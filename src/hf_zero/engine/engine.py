@@ -24,6 +24,7 @@ from hf_zero.engine.schedule.unit import ZeroUnit
 
 if TYPE_CHECKING:
     from hf_zero.config import HfZeroConfig
+    from hf_zero.sequence_parallel import SequenceParallel
 
 logger = logging.getLogger("hf_zero")
 
@@ -48,6 +49,7 @@ class ZeroEngine(nn.Module):
         lr_scheduler: Any,
         buffers: BufferPool,
         policy: ShardingPolicy,
+        sequence_parallel: SequenceParallel | None = None,
     ) -> None:
         super().__init__()
         self.module = module
@@ -60,6 +62,7 @@ class ZeroEngine(nn.Module):
         self.lr_scheduler = lr_scheduler
         self.stage = config.stage  # reported (checkpoints, integrations); nothing decides on it
         self.policy = policy  # what is sharded and when: [Note: sharding policy]
+        self.sequence_parallel = sequence_parallel  # [Note: sequence-parallel layout]; None without
         self.global_steps = 0
         self.micro_steps = 0
         self.global_samples = 0
@@ -117,8 +120,28 @@ class ZeroEngine(nn.Module):
 
     @property
     def world_size(self) -> int:
-        """How many ranks train the model together: the data-parallel size."""
+        """How many ranks train the model together (data x sequence parallel)."""
         return self.comm.global_world_size
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        """How many ranks share each sequence (``sequence_parallel_size``; 1 without)."""
+        return 1 if self.sequence_parallel is None else self.sequence_parallel.layout.size
+
+    @property
+    def data_parallel_world_size(self) -> int:
+        """How many different batches a step trains on: world / sequence_parallel_size."""
+        return self.world_size // self.sequence_parallel_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which of those batches this rank sees: shard a dataloader by it."""
+        return self.rank // self.sequence_parallel_size
+
+    @property
+    def seq_parallel_group(self) -> Any:
+        """This rank's sequence-parallel process group (DeepSpeed's name), or None."""
+        return None if self.sequence_parallel is None else self.sequence_parallel.layout.group
 
     def gradient_accumulation_steps(self) -> int:
         return self.config.gradient_accumulation_steps

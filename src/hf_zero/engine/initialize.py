@@ -35,6 +35,7 @@ from hf_zero.offload.grad_copies import HostGradCopies
 from hf_zero.offload.nvme_io import AioSettings
 from hf_zero.offload.threads import host_step_threads, log_choice
 from hf_zero.partition import KEEP_GATHERED, is_persistent, plan_units
+from hf_zero.sequence_parallel import SequenceParallel, check_model, data_parallel_place, make_layout
 
 logger = logging.getLogger("hf_zero")
 
@@ -219,8 +220,11 @@ def _build_dataloader(
     if training_data is None:
         return None
     sampler = None
-    if comm.global_world_size > 1:  # data parallel over every rank, replicas included
-        sampler = DistributedSampler(training_data, num_replicas=comm.global_world_size, rank=comm.global_rank)
+    # Data parallel over every rank, replicas included; the ranks of a sequence-parallel group
+    # share their samples ([Note: sequence-parallel layout]).
+    rank, ranks = data_parallel_place(_sequence_parallel_size(config), comm.global_rank, comm.global_world_size)
+    if ranks > 1:
+        sampler = DistributedSampler(training_data, num_replicas=ranks, rank=rank)
     return DataLoader(
         training_data, batch_size=config.train_micro_batch_size_per_gpu, sampler=sampler,
         shuffle=sampler is None, collate_fn=collate_fn,
@@ -272,11 +276,17 @@ def initialize(
                     model_parameters = _config_muon_groups(resolved, model)
             param_group_of, hyper = _param_group_index(model, optimizer, model_parameters)
             plan = plan_units(model, resolved.zero.wrap_modules)
+            if _sequence_parallel_size(resolved) > 1:
+                check_model(model, _sequence_parallel_size(resolved))
             prints = fingerprint(resolved.to_dict(), hyper, plan.units)
         except Exception as exc:
             local_error = exc
     agree(comm, "hf_zero.initialize", local_error, prints)  # see [Note: rank agreement]
     comm = _shard_groups(comm, resolved)
+    sequence_parallel = None
+    if _sequence_parallel_size(resolved) > 1:  # [Note: sequence-parallel layout]
+        layout = make_layout(_sequence_parallel_size(resolved), device, timeout_s=comm.timeout_s)
+        sequence_parallel = SequenceParallel(model, layout)
     resolved.log_summary(comm.global_rank)
     if comm.global_rank == 0:
         for warning in config_warnings(resolved.to_dict()):
@@ -356,9 +366,14 @@ def initialize(
     scheduler = _build_scheduler(resolved, zero_optimizer, lr_scheduler)
     buffers.release_idle()  # a phase boundary: [Note: the buffer pool]
     hand_back_free_heap_pages()  # [Note: the heap after loading]
-    engine = ZeroEngine(model, resolved, comm, device, units, plan.rule, zero_optimizer, scheduler, buffers, policy)
+    engine = ZeroEngine(model, resolved, comm, device, units, plan.rule, zero_optimizer, scheduler, buffers, policy,
+                        sequence_parallel=sequence_parallel)
     dataloader = _build_dataloader(training_data, resolved, comm, collate_fn)
     return engine, zero_optimizer, dataloader, scheduler
+
+
+def _sequence_parallel_size(config: HfZeroConfig) -> int:
+    return int(config.get_value("sequence_parallel_size", 1) or 1)
 
 
 def _check_optimizer_given(model: nn.Module, optimizer: OptimizerArg, resolved: HfZeroConfig) -> None:

@@ -55,6 +55,7 @@ from hf_zero.engine.initialize import hidden_size_of
 from hf_zero.engine.optim.optimizer import ZeroOptimizer
 from hf_zero.integrations._plugin import HfZeroPlugin, plugin_from_env
 from hf_zero.integrations._weights import attach_engine, engine_of, gather_full_state_dict, release_engine
+from hf_zero.sequence_parallel import data_parallel_place
 
 logger = logging.getLogger("hf_zero")
 
@@ -350,6 +351,28 @@ class HfZeroAccelerator(Accelerator):
             for i, obj in zip(rest, prepared):
                 result[i] = obj
         return tuple(result) if len(result) > 1 else result[0]
+
+    def prepare_data_loader(self, data_loader: DataLoader, device_placement: bool | None = None,
+                            slice_fn_for_dispatch: Any = None) -> Any:
+        """Accelerate's sharding over the data-parallel ranks: with ``sequence_parallel_size: S``
+        the S ranks of a group get the same batches ([Note: sequence-parallel layout])."""
+        size = int(self.hf_zero_config.get_value("sequence_parallel_size", 1) or 1) if self.hf_zero_config else 1
+        if size <= 1:
+            return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
+        if self.dispatch_batches:
+            raise NotImplementedError(
+                "sequence_parallel_size > 1 with dispatch_batches (an iterable dataset dispatched from rank 0): "
+                "use a map-style dataset, or dispatch_batches=False in the accelerator's dataloader_config")
+        rank, ranks = data_parallel_place(size, self.process_index, self.num_processes)
+        # Accelerate shards by the state's process count and index, read while the loader is
+        # built (the shard keeps them): the data-parallel ones for the duration of the call.
+        state = self.state
+        saved = state.num_processes, state.process_index
+        state.num_processes, state.process_index = ranks, rank
+        try:
+            return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
+        finally:
+            state.num_processes, state.process_index = saved
 
     def _prepare_training(self, result: list[Any], model_index: int, optimizers: list[int],
                           schedulers: list[int]) -> None:

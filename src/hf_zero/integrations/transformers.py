@@ -104,13 +104,17 @@ _ARGUMENT_FIELDS = {
 
 
 # ====================================================================== "auto" resolution
-def trainer_values(args: TrainingArguments, num_training_steps: int | None = None) -> dict[str, Any]:
+def trainer_values(args: TrainingArguments, num_training_steps: int | None = None,
+                   sequence_parallel_size: int = 1) -> dict[str, Any]:
     """The values transformers' ``HfTrainerDeepSpeedConfig`` fills "auto" with, key for key
-    (research/hf_integration.md section 1), as ``HfZeroConfig.resolve(...)`` arguments."""
+    (research/hf_integration.md section 1), as ``HfZeroConfig.resolve(...)`` arguments. The
+    batch counts data-parallel ranks: with sequence parallelism, world / S
+    ([Note: sequence-parallel layout])."""
+    data_parallel = max(1, args.world_size // max(1, sequence_parallel_size))
     values: dict[str, Any] = dict(
         train_micro_batch_size_per_gpu=args.per_device_train_batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
-        train_batch_size=args.world_size * args.per_device_train_batch_size * args.gradient_accumulation_steps,
+        train_batch_size=data_parallel * args.per_device_train_batch_size * args.gradient_accumulation_steps,
         gradient_clipping=args.max_grad_norm,
         lr=args.learning_rate,
         betas=[args.adam_beta1, args.adam_beta2],
@@ -155,6 +159,11 @@ def _problems_in_trainer_terms(problems: list[ConfigProblem], mismatches: set[tu
             f'set {problem.path} to "auto" (it then takes {given!r}), or change {field_name.split(" ")[0]}',
         ))
     return out
+
+
+def _sequence_parallel_size(raw: dict[str, Any]) -> int:
+    size = raw.get("sequence_parallel_size", 1)
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 1 else 1
 
 
 def _resolve_raw(raw: dict[str, Any], *, world_size: int, hidden_size: int | None,
@@ -229,7 +238,7 @@ def attach_zero_config(args: TrainingArguments) -> None:
     steps = args.max_steps if args.max_steps > 0 else None
     deferred = _MODEL_KEYS + (() if steps is not None else _STEP_KEYS)
     resolved = _resolve_raw(raw, world_size=args.world_size, hidden_size=None,
-                            values=trainer_values(args, steps), deferred=deferred,
+                            values=trainer_values(args, steps, _sequence_parallel_size(raw)), deferred=deferred,
                             source=_source_label(source))
     # This config is the user's, kept alive by the arguments: under stage 3, from_pretrained then
     # loads sharded (hf_zero.config.live).
@@ -246,7 +255,7 @@ def resolve_zero_config(args: TrainingArguments, model: torch.nn.Module | None =
         raise RuntimeError("these TrainingArguments have no zero_config; pass --zero_config or set HF_ZERO_CONFIG")
     hidden_size = hidden_size_of(model) if model is not None else None
     resolved = _resolve_raw(config.to_dict(), world_size=args.world_size, hidden_size=hidden_size,
-                            values=trainer_values(args, num_training_steps),
+                            values=trainer_values(args, num_training_steps, _sequence_parallel_size(config.to_dict())),
                             deferred=_MODEL_KEYS + _STEP_KEYS, source="<zero_config>")
     return derived_config(resolved)
 

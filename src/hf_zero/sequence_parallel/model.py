@@ -1,0 +1,97 @@
+"""Sequence parallelism put on an unmodified Hugging Face causal LM.
+
+``check_model`` says what stops a model from being split (before any rank waits on another);
+``attach`` then registers the attention wrapper ([Note: Ulysses attention]), shards every
+training call's inputs ([Note: sharding the batch]) and gives the causal-LM heads the group's
+loss ([Note: the sequence-parallel loss]).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from hf_zero.sequence_parallel.attention import ATTACHED, SUPPORTED, AttentionCalls, check_heads, register
+from hf_zero.sequence_parallel.batch import shard_inputs
+from hf_zero.sequence_parallel.layout import SequenceParallelLayout
+from hf_zero.sequence_parallel.loss import SequenceParallelLossFunction
+
+
+def _text_config(model: nn.Module) -> Any:
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        return config.get_text_config()
+    return config
+
+
+def _causal_lm_heads(model: nn.Module) -> list[nn.Module]:
+    """The modules that compute a causal LM's loss (the ``...ForCausalLM`` inside any wrapper)."""
+    from transformers import PreTrainedModel
+
+    return [m for m in model.modules() if isinstance(m, PreTrainedModel) and type(m).__name__.endswith("ForCausalLM")]
+
+
+def _uses_sliding_window(config: Any) -> bool:
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return any("sliding" in str(kind) for kind in layer_types)
+    return bool(getattr(config, "sliding_window", None)) and getattr(config, "use_sliding_window", True) is not False
+
+
+def check_model(model: nn.Module, size: int) -> None:
+    """Raise with every reason ``model`` cannot train with ``sequence_parallel_size: size``."""
+    config = _text_config(model)
+    if config is None:
+        raise ValueError("sequence parallelism needs a Hugging Face model (one with a .config); "
+                         f"{type(model).__name__} has none")
+    problems = []
+    if not _causal_lm_heads(model):
+        problems.append(f"{type(model).__name__} is not a causal language model (an ...ForCausalLM): sequence "
+                        "parallelism splits the sequence of a causal LM and computes its loss over the group")
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation not in SUPPORTED:
+        problems.append(f"attention implementation {implementation!r} is not one sequence parallelism wraps "
+                        f"({', '.join(SUPPORTED)}): load the model with attn_implementation=\"sdpa\"")
+    if _uses_sliding_window(config):
+        problems.append("the model uses sliding-window attention, which the causal full-sequence attention of "
+                        "sequence parallelism does not reproduce: set use_sliding_window=False (or sliding_window=None) "
+                        "if the windows are longer than your sequences")
+    problems += check_heads(config, size)
+    if problems:
+        raise ValueError("sequence_parallel_size " + str(size) + ": " + "; ".join(problems))
+
+
+class SequenceParallel:
+    """The hooks and the loss that make ``model`` train with its sequences split over ``layout``."""
+
+    def __init__(self, model: nn.Module, layout: SequenceParallelLayout) -> None:
+        self.layout = layout
+        self.model = model
+        config = _text_config(model)
+        self.pad_token_id = getattr(config, "pad_token_id", None) or 0
+        self._checked = False
+        self._calls_at_start = 0
+        register(config._attn_implementation)
+        for module in model.modules():
+            if "Attention" in type(module).__name__:
+                setattr(module, ATTACHED, layout)
+        for head in _causal_lm_heads(model):
+            if not isinstance(head.loss_function, SequenceParallelLossFunction):
+                head.loss_function = SequenceParallelLossFunction(head, layout, head.loss_function)
+        self._handles = [model.register_forward_pre_hook(self._shard, with_kwargs=True),
+                         model.register_forward_hook(self._check_attention_ran)]
+
+    def _shard(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not module.training:
+            return None
+        check, self._checked = not self._checked, True
+        self._calls_at_start = AttentionCalls.count
+        return shard_inputs(self.layout, args, kwargs, self.pad_token_id, check)
+
+    def _check_attention_ran(self, module: nn.Module, args: Any, output: Any) -> None:
+        if module.training and AttentionCalls.count == self._calls_at_start:
+            raise RuntimeError(
+                f"{type(module).__name__}'s attention did not go through hf_zero's sequence-parallel attention, "
+                "so each rank attended only to its own slice of the sequence; this model calls its attention "
+                "outside transformers' attention registry and cannot be trained with sequence_parallel_size > 1")
