@@ -11,6 +11,7 @@ torch and the model) is reported beside it.
 
     python benchmarks/bench_sequence_parallel.py                          # 1K-8K, S = 1, 2, 4
     python benchmarks/bench_sequence_parallel.py --lengths 8192 --budget-mib 256
+    python benchmarks/bench_sequence_parallel.py --lengths 8192 --tiled-loss-tokens 1024
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ def _rank(rank: int, size: int, port: int, args: argparse.Namespace, out: str) -
 
     model = _model(args)
     config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
-              "sequence_parallel_size": size, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
+              "sequence_parallel_size": size, "tiled_loss_tokens": args.tiled_loss_tokens,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
     engine, _, _, _ = hf_zero.initialize(model=model, config=config)
     rows = []
     for length in args.lengths:
@@ -119,6 +121,8 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--tiled-loss-tokens", type=int, default=0,
+                        help="tiled_loss_tokens for every run (0: the logits and loss untiled)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="host threads shared by the ranks")
     args = parser.parse_args()
     args.lengths = [int(x) for x in args.lengths.split(",")]

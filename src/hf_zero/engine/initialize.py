@@ -35,7 +35,8 @@ from hf_zero.offload.grad_copies import HostGradCopies
 from hf_zero.offload.nvme_io import AioSettings
 from hf_zero.offload.threads import host_step_threads, log_choice
 from hf_zero.partition import KEEP_GATHERED, is_persistent, plan_units
-from hf_zero.sequence_parallel import SequenceParallel, check_model, data_parallel_place, make_layout
+from hf_zero.sequence_parallel import (SequenceParallel, causal_lm_heads, check_model, check_tiling,
+                                      data_parallel_place, install_tiled_loss, make_layout)
 
 logger = logging.getLogger("hf_zero")
 
@@ -278,6 +279,8 @@ def initialize(
             plan = plan_units(model, resolved.zero.wrap_modules)
             if _sequence_parallel_size(resolved) > 1:
                 check_model(model, _sequence_parallel_size(resolved))
+            if _tiled_loss_tokens(resolved):
+                check_tiling(model, causal_lm_heads(model))
             prints = fingerprint(resolved.to_dict(), hyper, plan.units)
         except Exception as exc:
             local_error = exc
@@ -287,6 +290,9 @@ def initialize(
     if _sequence_parallel_size(resolved) > 1:  # [Note: sequence-parallel layout]
         layout = make_layout(_sequence_parallel_size(resolved), device, timeout_s=comm.timeout_s)
         sequence_parallel = SequenceParallel(model, layout)
+    if _tiled_loss_tokens(resolved):  # [Note: tiled logits and loss]
+        install_tiled_loss(causal_lm_heads(model), _tiled_loss_tokens(resolved),
+                           sequence_parallel.layout if sequence_parallel is not None else None)
     resolved.log_summary(comm.global_rank)
     if comm.global_rank == 0:
         for warning in config_warnings(resolved.to_dict()):
@@ -374,6 +380,10 @@ def initialize(
 
 def _sequence_parallel_size(config: HfZeroConfig) -> int:
     return int(config.get_value("sequence_parallel_size", 1) or 1)
+
+
+def _tiled_loss_tokens(config: HfZeroConfig) -> int:
+    return int(config.get_value("tiled_loss_tokens", 0) or 0)
 
 
 def _check_optimizer_given(model: nn.Module, optimizer: OptimizerArg, resolved: HfZeroConfig) -> None:

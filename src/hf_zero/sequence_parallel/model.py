@@ -25,7 +25,7 @@ def _text_config(model: nn.Module) -> Any:
     return config
 
 
-def _causal_lm_heads(model: nn.Module) -> list[nn.Module]:
+def causal_lm_heads(model: nn.Module) -> list[nn.Module]:
     """The modules that compute a causal LM's loss (the ``...ForCausalLM`` inside any wrapper)."""
     from transformers import PreTrainedModel
 
@@ -46,7 +46,7 @@ def check_model(model: nn.Module, size: int) -> None:
         raise ValueError("sequence parallelism needs a Hugging Face model (one with a .config); "
                          f"{type(model).__name__} has none")
     problems = []
-    if not _causal_lm_heads(model):
+    if not causal_lm_heads(model):
         problems.append(f"{type(model).__name__} is not a causal language model (an ...ForCausalLM): sequence "
                         "parallelism splits the sequence of a causal LM and computes its loss over the group")
     implementation = getattr(config, "_attn_implementation", None)
@@ -76,7 +76,7 @@ class SequenceParallel:
         for module in model.modules():
             if "Attention" in type(module).__name__:
                 setattr(module, ATTACHED, layout)
-        for head in _causal_lm_heads(model):
+        for head in causal_lm_heads(model):
             if not isinstance(head.loss_function, SequenceParallelLossFunction):
                 head.loss_function = SequenceParallelLossFunction(head, layout, head.loss_function)
         self._handles = [model.register_forward_pre_hook(self._shard, with_kwargs=True),
