@@ -37,6 +37,7 @@ from hf_zero.offload.threads import host_step_threads, log_choice
 from hf_zero.partition import KEEP_GATHERED, is_persistent, plan_units
 from hf_zero.sequence_parallel import (SequenceParallel, causal_lm_heads, check_model, check_tiling,
                                       data_parallel_place, install_tiled_loss, make_layout)
+from hf_zero.sequence_parallel.layout import configured_size
 
 logger = logging.getLogger("hf_zero")
 
@@ -379,7 +380,7 @@ def initialize(
 
 
 def _sequence_parallel_size(config: HfZeroConfig) -> int:
-    return int(config.get_value("sequence_parallel_size", 1) or 1)
+    return configured_size(config.to_dict())
 
 
 def _tiled_loss_tokens(config: HfZeroConfig) -> int:

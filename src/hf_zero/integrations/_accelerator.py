@@ -55,7 +55,7 @@ from hf_zero.engine.initialize import hidden_size_of
 from hf_zero.engine.optim.optimizer import ZeroOptimizer
 from hf_zero.integrations._plugin import HfZeroPlugin, plugin_from_env
 from hf_zero.integrations._weights import attach_engine, engine_of, gather_full_state_dict, release_engine
-from hf_zero.sequence_parallel import data_parallel_place
+from hf_zero.sequence_parallel.layout import configured_size, data_parallel_place
 
 logger = logging.getLogger("hf_zero")
 
@@ -356,7 +356,7 @@ class HfZeroAccelerator(Accelerator):
                             slice_fn_for_dispatch: Any = None) -> Any:
         """Accelerate's sharding over the data-parallel ranks: with ``sequence_parallel_size: S``
         the S ranks of a group get the same batches ([Note: sequence-parallel layout])."""
-        size = int(self.hf_zero_config.get_value("sequence_parallel_size", 1) or 1) if self.hf_zero_config else 1
+        size = configured_size(self.hf_zero_config.to_dict()) if self.hf_zero_config is not None else 1
         if size <= 1:
             return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
         if self.dispatch_batches:

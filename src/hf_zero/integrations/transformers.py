@@ -59,6 +59,7 @@ from hf_zero.integrations._accelerator import (
     derived_config,
 )
 from hf_zero.integrations._weights import engine_of, load_state_dict_into_engine, release_engine
+from hf_zero.sequence_parallel.layout import configured_size
 
 logger = logging.getLogger("hf_zero")
 
@@ -161,11 +162,6 @@ def _problems_in_trainer_terms(problems: list[ConfigProblem], mismatches: set[tu
     return out
 
 
-def _sequence_parallel_size(raw: dict[str, Any]) -> int:
-    size = raw.get("sequence_parallel_size", 1)
-    return size if isinstance(size, int) and not isinstance(size, bool) and size > 1 else 1
-
-
 def _resolve_raw(raw: dict[str, Any], *, world_size: int, hidden_size: int | None,
                  values: dict[str, Any], deferred: tuple[str, ...], source: str) -> dict[str, Any]:
     """Fill what ``values`` can; raise one HfZeroConfigError with every problem, except the
@@ -238,7 +234,7 @@ def attach_zero_config(args: TrainingArguments) -> None:
     steps = args.max_steps if args.max_steps > 0 else None
     deferred = _MODEL_KEYS + (() if steps is not None else _STEP_KEYS)
     resolved = _resolve_raw(raw, world_size=args.world_size, hidden_size=None,
-                            values=trainer_values(args, steps, _sequence_parallel_size(raw)), deferred=deferred,
+                            values=trainer_values(args, steps, configured_size(raw)), deferred=deferred,
                             source=_source_label(source))
     # This config is the user's, kept alive by the arguments: under stage 3, from_pretrained then
     # loads sharded (hf_zero.config.live).
@@ -255,7 +251,7 @@ def resolve_zero_config(args: TrainingArguments, model: torch.nn.Module | None =
         raise RuntimeError("these TrainingArguments have no zero_config; pass --zero_config or set HF_ZERO_CONFIG")
     hidden_size = hidden_size_of(model) if model is not None else None
     resolved = _resolve_raw(config.to_dict(), world_size=args.world_size, hidden_size=hidden_size,
-                            values=trainer_values(args, num_training_steps, _sequence_parallel_size(config.to_dict())),
+                            values=trainer_values(args, num_training_steps, configured_size(config.to_dict())),
                             deferred=_MODEL_KEYS + _STEP_KEYS, source="<zero_config>")
     return derived_config(resolved)
 

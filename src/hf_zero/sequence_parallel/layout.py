@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,12 @@ class SequenceParallelLayout:
     data_parallel_size: int  # world / S
     group: dist.ProcessGroup  # this rank's sequence-parallel group
     device: torch.device  # where the group's collectives take their tensors
+
+
+def configured_size(config: dict[str, Any]) -> int:
+    """``sequence_parallel_size`` of a config dict (1 when absent, off or not yet valid)."""
+    size = config.get("sequence_parallel_size", 1)
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 1 else 1
 
 
 def check_size(size: int, world_size: int) -> None:

@@ -36,14 +36,22 @@ def sequence_parallel_loss(layout: SequenceParallelLayout, logits: torch.Tensor,
     labels = shifted_labels.to(logits.device)
     local = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
                             ignore_index=ignore_index, reduction="sum")
-    total = sum_over_group(local, layout.group)
-    if num_items_in_batch is None:
-        count = (labels != ignore_index).sum().to(torch.float32)
+    return mean_over_tokens(local, labels, num_items_in_batch, layout, ignore_index)
+
+
+def mean_over_tokens(local_sum: torch.Tensor, labels: torch.Tensor, num_items_in_batch: Any,
+                     layout: SequenceParallelLayout | None, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """A token-loss sum divided by the real tokens (or ``num_items_in_batch``); with ``layout``
+    both are the group's ([Note: the sequence-parallel loss])."""
+    total = local_sum if layout is None else sum_over_group(local_sum, layout.group)
+    if num_items_in_batch is not None:
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(total.device)
+        return total / num_items_in_batch
+    count = (labels != ignore_index).sum().to(device=total.device, dtype=torch.float32)
+    if layout is not None:
         dist.all_reduce(count, group=layout.group)
-        return total / count.clamp(min=1)
-    if torch.is_tensor(num_items_in_batch):
-        num_items_in_batch = num_items_in_batch.to(total.device)
-    return total / num_items_in_batch
+    return total / count.clamp(min=1)
 
 
 class SequenceParallelLossFunction:

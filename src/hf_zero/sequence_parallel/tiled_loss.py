@@ -16,14 +16,13 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hf_zero.sequence_parallel.batch import IGNORE_INDEX, shift_labels
-from hf_zero.sequence_parallel.exchange import sum_over_group
 from hf_zero.sequence_parallel.layout import SequenceParallelLayout
+from hf_zero.sequence_parallel.loss import mean_over_tokens
 
 # Config attributes of heads that transform the logits after the projection (Gemma 2's soft-capping,
 # Cohere's and Granite's scaling): the tiled forward would skip it.
@@ -83,20 +82,10 @@ class TiledCausalLMForward:
             labels = shift_labels(labels)
         total = tiled_cross_entropy_sum(outputs.last_hidden_state, labels, self.head.get_output_embeddings(),
                                         self.tile_tokens)
-        loss = self._divide(total, labels, num_items)
+        loss = mean_over_tokens(total, labels, num_items, self.layout)
         return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=getattr(outputs, "past_key_values", None),
                                       hidden_states=getattr(outputs, "hidden_states", None),
                                       attentions=getattr(outputs, "attentions", None))
-
-    def _divide(self, total: torch.Tensor, labels: torch.Tensor, num_items: Any) -> torch.Tensor:
-        if self.layout is not None:
-            total = sum_over_group(total, self.layout.group)
-        if num_items is not None:
-            return total / (num_items.to(total.device) if torch.is_tensor(num_items) else num_items)
-        count = (labels != IGNORE_INDEX).sum().to(device=total.device, dtype=torch.float32)
-        if self.layout is not None:
-            dist.all_reduce(count, group=self.layout.group)
-        return total / count.clamp(min=1)
 
 
 def install_tiled_loss(heads: list[nn.Module], tile_tokens: int, layout: SequenceParallelLayout | None) -> None:
