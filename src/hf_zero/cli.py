@@ -294,6 +294,10 @@ def _estimate(args: argparse.Namespace, rest: list[str]) -> int:
     print(f"model states per rank ({args.dtype} compute, fp32 master and Adam state; "
           "+working is transient memory during forward/backward):")
     print(format_table(estimates))
+    if args.seq is not None:
+        code = _print_activations(args, model, estimates, world)
+        if code:
+            return code
     if not args.simulate:
         return 0
     row = estimate_model_states(model, args.gpus_per_node, args.nodes, dtype=args.dtype, stages=(3,),
@@ -302,6 +306,38 @@ def _estimate(args: argparse.Namespace, rest: list[str]) -> int:
                                                         args.max_live_parameters, args.prefetch_bucket_size),
                                 shard_group_size=args.shard_group_size)[0]
     return _simulate(args, model, row)
+
+
+def _print_activations(args: argparse.Namespace, model: Any, estimates: list[Any], world: int) -> int:
+    """``estimate --seq``: the traced activations ([Note: traced activations]) and the peak table."""
+    from hf_zero.activations import ActivationSettings, estimate_activations
+    from hf_zero.estimator import format_peak_table, human_bytes
+
+    size = args.sequence_parallel_size
+    if size < 1 or world % size:
+        print(f"hf-zero estimate: --sequence-parallel-size {size}: expected a divisor of the world size {world}",
+              file=sys.stderr)
+        return 2
+    settings = ActivationSettings(seq_len=args.seq, micro_batch=args.micro_batch, dtype=args.dtype,
+                                  sequence_parallel_size=size, gradient_checkpointing=args.gradient_checkpointing,
+                                  tiled_loss_tokens=args.tiled_loss_tokens, tiled_mlp_tokens=args.tiled_mlp_tokens)
+    try:
+        found = estimate_activations(model.config, settings)
+    except (ValueError, NotImplementedError, RuntimeError) as error:
+        print(f"hf-zero estimate: cannot trace the activations of {args.model!r}: {error}", file=sys.stderr)
+        return 1
+    choices = [f"{args.seq} tokens x {args.micro_batch} sequence(s)", args.dtype]
+    choices += [f"sequence_parallel_size {size} ({settings.local_seq} tokens a rank)"] if size > 1 else []
+    choices += ["gradient checkpointing"] if args.gradient_checkpointing else []
+    choices += [f"tiled_loss_tokens {args.tiled_loss_tokens}"] if args.tiled_loss_tokens else []
+    choices += [f"tiled_mlp_tokens {args.tiled_mlp_tokens}"] if args.tiled_mlp_tokens else []
+    print(f"\nactivations per rank ({', '.join(choices)}), traced on fake tensors: "
+          f"{human_bytes(found.after_forward)} kept after the forward (the logits included), "
+          f"{human_bytes(found.peak)} at the peak of the forward and backward "
+          f"({human_bytes(found.per_layer_after_forward)} kept per layer, {found.layers} layers)")
+    print("peak per rank (the three added, as if their peaks coincided: an upper estimate):")
+    print(format_peak_table(estimates, found.peak))
+    return 0
 
 
 def _simulate(args: argparse.Namespace, model: Any, row: Any) -> int:
@@ -331,7 +367,7 @@ def _simulate(args: argparse.Namespace, model: Any, row: Any) -> int:
             "rank": rank, "world": world, "dtype": args.dtype, "persistence_threshold": args.persistence_threshold,
             "reduce_bucket_size": args.reduce_bucket_size, "max_reuse_distance": args.max_reuse_distance,
             "max_live_parameters": args.max_live_parameters, "prefetch_bucket_size": args.prefetch_bucket_size,
-            "seq": args.seq, "micro_batch": args.micro_batch, "shard_group_size": args.shard_group_size}
+            "seq": 16 if args.seq is None else args.seq, "micro_batch": args.micro_batch, "shard_group_size": args.shard_group_size}
     try:
         result = simulate.run_rank_subprocess(spec, lambda line: print(f"  {line} ...", flush=True))
     except RuntimeError as error:
@@ -444,8 +480,17 @@ def _add_export_and_estimate(sub: argparse._SubParsersAction) -> None:
     estimate.add_argument("--simulate-rank", type=int, default=None,
                           help="the rank --simulate plays, 0 to world - 1 (default: the last, whose shards hold the "
                           "padded tails)")
-    estimate.add_argument("--seq", type=at_least(1), default=16, help="tokens per sequence of the --simulate step")
-    estimate.add_argument("--micro-batch", type=at_least(1), default=1, help="sequences in the --simulate step")
+    estimate.add_argument("--seq", type=at_least(1), default=None,
+                          help="tokens per sequence: adds the step's activations, traced on fake tensors, and a "
+                          "peak-per-rank table (and is the --simulate step's length, 16 when left out)")
+    estimate.add_argument("--micro-batch", type=at_least(1), default=1,
+                          help="sequences per rank and step (train_micro_batch_size_per_gpu)")
+    estimate.add_argument("--gradient-checkpointing", action="store_true",
+                          help="with --seq: the model's activation checkpointing on")
+    estimate.add_argument("--sequence-parallel-size", type=at_least(1), default=1,
+                          help="with --seq: sequence_parallel_size, each rank holding 1/S of every sequence")
+    estimate.add_argument("--tiled-loss-tokens", type=at_least(0), default=0, help="with --seq: tiled_loss_tokens")
+    estimate.add_argument("--tiled-mlp-tokens", type=at_least(0), default=0, help="with --seq: tiled_mlp_tokens")
     estimate.set_defaults(func=_estimate)
 
 

@@ -483,6 +483,22 @@ def format_table(estimates: list[StateEstimate]) -> str:
     return "\n".join(lines)
 
 
+def format_peak_table(estimates: list[StateEstimate], activation_peak: int) -> str:
+    """Per stage and offload choice, the device's peak per rank: the states, the engine's working
+    set and the step's activations (hf_zero/activations.py), added as if their peaks coincided."""
+    header = ("stage", "offload_optimizer", "offload_param", "states", "+working", "+activations", "peak/rank")
+    rows = [header] + [
+        (str(e.stage), "cpu" if e.offload_optimizer else "none", "cpu" if e.offload_param else "none",
+         human_bytes(e.device_bytes), human_bytes(e.working_bytes), human_bytes(activation_peak),
+         human_bytes(e.device_bytes + e.working_bytes + activation_peak))
+        for e in estimates
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = [" | ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
 def describe(module: nn.Module, world_size: int, wrap_modules: Sequence[str] | None = None) -> str:
     """One line: parameter counts and the unit sizes the working memory depends on."""
     total = sum(p.numel() for p in module.parameters())

@@ -51,16 +51,18 @@ def _optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
 
 
 def _train_sequence_parallel(kind: str, attn: str, stage: int, size: int, optim: str, tiles: int = 0,
-                             dtype: str = "fp32") -> dict[str, Any]:
+                             dtype: str = "fp32", mlp_tiles: int = 0, checkpointing: bool = False) -> dict[str, Any]:
     import torch.distributed as dist
 
     import hf_zero
 
     model = _model(kind, attn)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     config = {
         "train_micro_batch_size_per_gpu": ROWS, "gradient_accumulation_steps": 1,
         "zero_optimization": {"stage": stage}, "sequence_parallel_size": size, "gradient_clipping": 1.0,
-        "tiled_loss_tokens": tiles, "bf16": {"enabled": dtype == "bf16"},
+        "tiled_loss_tokens": tiles, "tiled_mlp_tokens": mlp_tiles, "bf16": {"enabled": dtype == "bf16"},
     }
     engine, _, loader, _ = hf_zero.initialize(model=model, config=config, optimizer=_optimizer(optim, model.parameters()),
                                               training_data=list(range(8)))
@@ -147,18 +149,22 @@ def _max_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
     return max(float((torch.tensor(a[n]) - torch.tensor(b[n])).abs().max()) for n in a)
 
 
-@pytest.mark.parametrize("kind,attn,stage,size,optim,tiles", [
-    ("llama", "sdpa", 3, 2, "adamw", 0),
-    ("llama", "sdpa", 2, 4, "adamw", 0),
-    ("qwen2", "sdpa", 1, 2, "adamw", 0),
-    ("qwen2", "sdpa", 3, 4, "sgd", 0),
-    ("llama", "eager", 3, 4, "adamw", 0),
-    ("llama", "sdpa", 3, 2, "sgd", 5),  # tiled logits and loss: 14 tokens a rank in tiles of 5, 5, 4
-    ("qwen2", "sdpa", 2, 1, "sgd", 9),  # tiled without sequence parallelism (4 data-parallel ranks)
+@pytest.mark.parametrize("kind,attn,stage,size,optim,tiles,mlp_tiles,checkpointing", [
+    ("llama", "sdpa", 3, 2, "adamw", 0, 0, False),
+    ("llama", "sdpa", 2, 4, "adamw", 0, 0, False),
+    ("qwen2", "sdpa", 1, 2, "adamw", 0, 0, False),
+    ("qwen2", "sdpa", 3, 4, "sgd", 0, 0, False),
+    ("llama", "eager", 3, 4, "adamw", 0, 0, False),
+    ("llama", "sdpa", 3, 2, "sgd", 5, 0, False),  # tiled logits and loss: 14 tokens a rank in tiles of 5, 5, 4
+    ("qwen2", "sdpa", 2, 1, "sgd", 9, 0, False),  # tiled without sequence parallelism (4 data-parallel ranks)
+    # the tiled MLP (tiles of 4, 4, 4, 2) inside the model's own activation checkpointing, and without
+    ("llama", "sdpa", 3, 2, "sgd", 5, 4, True),
+    ("qwen2", "sdpa", 1, 1, "sgd", 0, 10, False),
 ])
 def test_sequence_parallel_equals_whole_sequences(kind: str, attn: str, stage: int, size: int, optim: str,
-                                                  tiles: int) -> None:
-    results = run_distributed(_train_sequence_parallel, 4, kind, attn, stage, size, optim, tiles)
+                                                  tiles: int, mlp_tiles: int, checkpointing: bool) -> None:
+    results = run_distributed(_train_sequence_parallel, 4, kind, attn, stage, size, optim, tiles, "fp32", mlp_tiles,
+                              checkpointing)
     reference = results[0]["reference"]
     groups = 4 // size
     assert [r["info"]["dp"] for r in results] == [groups] * 4
@@ -241,8 +247,9 @@ def test_refusals_whole_sequence_evaluation_and_resume_without(tmp_path, monkeyp
         assert found["resume_diff"] == 0.0 and found["moved"] > 1e-4
 
 
-def _largest_logits(tiles: int) -> dict[str, Any]:
-    """The largest vocabulary-wide tensor a training step makes, counted by a dispatch mode."""
+def _largest_rows(width: int, settings: dict[str, int]) -> dict[str, Any]:
+    """The most token rows of a ``width``-wide tensor (the vocabulary, the MLP's intermediate size)
+    that a training step makes, counted by a dispatch mode."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import hf_zero
@@ -255,39 +262,70 @@ def _largest_logits(tiles: int) -> dict[str, Any]:
             inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
                       if torch.is_tensor(a)}
             for tensor in out if isinstance(out, (tuple, list)) else (out,):
-                if (torch.is_tensor(tensor) and tensor.dim() > 1 and tensor.shape[-1] == VOCAB
+                if (torch.is_tensor(tensor) and tensor.dim() > 1 and tensor.shape[-1] == width
+                        and tuple(tensor.shape) not in weights  # a gathered weight or its gradient
                         and tensor.untyped_storage().data_ptr() not in inputs):  # new memory, not a view
                     Largest.numel = max(Largest.numel, tensor.numel() // tensor.shape[-1])
             return out
 
     model = _model("llama")
-    config = {"train_micro_batch_size_per_gpu": ROWS, "zero_optimization": {"stage": 3}, "tiled_loss_tokens": tiles}
+    weights = {tuple(p.shape) for p in model.parameters()}
+    config = {"train_micro_batch_size_per_gpu": ROWS, "zero_optimization": {"stage": 3}, **settings}
     engine, _, _, _ = hf_zero.initialize(model=model, config=config, optimizer=_optimizer("sgd", model.parameters()))
+    saved: dict[int, int] = {}  # storage -> token rows of the width-wide tensors autograd keeps
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.dim() > 1 and tensor.shape[-1] == width and tuple(tensor.shape) not in weights:
+            saved[tensor.untyped_storage().data_ptr()] = tensor.numel() // width
+        return tensor
+
     rows = _batch(0, 1)
     with Largest():
-        out = engine(input_ids=rows, labels=rows)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            out = engine(input_ids=rows, labels=rows)
         engine.backward(out.loss)
     engine.step()
-    return {"rows": Largest.numel, "logits": out.logits is None}
+    return {"rows": Largest.numel, "saved_rows": sum(saved.values()), "logits": out.logits is None}
 
 
 def test_tiled_loss_keeps_one_tile_of_logits() -> None:
-    untiled, tiled = run_distributed(_largest_logits, 1, 0)[0], run_distributed(_largest_logits, 1, 7)[0]
+    untiled = run_distributed(_largest_rows, 1, VOCAB, {})[0]
+    tiled = run_distributed(_largest_rows, 1, VOCAB, {"tiled_loss_tokens": 7})[0]
     assert untiled["rows"] == ROWS * SEQ and not untiled["logits"]
     assert tiled["rows"] == 7 and tiled["logits"]  # 7 of 28 token rows: 1/4 of the untiled peak
 
 
-def _accelerate_loop() -> dict[str, Any]:
-    """The README's Accelerate loop with ``sequence_parallel_size: 2``: the prepared dataloader gives
-    a group's two ranks the same batches, and the losses follow one process on whole sequences."""
+def test_tiled_mlp_keeps_one_tile_of_intermediates() -> None:
+    intermediate = _model("llama").config.intermediate_size
+    untiled = run_distributed(_largest_rows, 1, intermediate, {})[0]
+    tiled = run_distributed(_largest_rows, 1, intermediate, {"tiled_mlp_tokens": 6})[0]
+    assert untiled["rows"] == ROWS * SEQ
+    assert tiled["rows"] == 6  # of 28 token rows, in the forward and in the backward's recomputation
+    # autograd keeps the gate's and the up projection's outputs of both layers untiled, none tiled
+    assert untiled["saved_rows"] >= 2 * 2 * ROWS * SEQ and tiled["saved_rows"] == 0
+
+
+def _accelerate_loop(route: str) -> dict[str, Any]:
+    """The README's Accelerate loop with ``sequence_parallel_size: 2`` in the config, or with
+    Accelerate's ``ParallelismConfig(sp_size=2)`` passed or from the launcher's environment: the
+    prepared dataloader gives a group's two ranks the same batches, and the losses follow one
+    process on whole sequences."""
+    from accelerate import ParallelismConfig
     from torch.utils.data import DataLoader
 
     from hf_zero.integrations.accelerate import HfZeroAccelerator
 
     model = _model("llama")  # before the accelerator: under its live stage-3 config it would be built sharded
-    accelerator = HfZeroAccelerator(cpu=True, hf_zero_config={
-        "train_micro_batch_size_per_gpu": ROWS, "zero_optimization": {"stage": 3}, "sequence_parallel_size": 2,
-        "gradient_clipping": 1.0})
+    config = {"train_micro_batch_size_per_gpu": ROWS, "zero_optimization": {"stage": 3}, "gradient_clipping": 1.0}
+    kwargs: dict[str, Any] = {}
+    if route == "key":
+        config["sequence_parallel_size"] = 2
+    elif route == "argument":
+        kwargs["parallelism_config"] = ParallelismConfig(sp_size=2, sp_backend="deepspeed")
+    else:  # what `accelerate launch` exports for parallelism_config_sp_size: 2
+        os.environ.update(ACCELERATE_USE_PARALLELISM_CONFIG="true", PARALLELISM_CONFIG_SP_SIZE="2")
+    accelerator = HfZeroAccelerator(cpu=True, hf_zero_config=config, **kwargs)
+    assert accelerator.parallelism_config is None  # Accelerate's and the Trainer's SP paths stay off
     rows = torch.cat([_batch(step, 2) for step in range(3)])  # 3 steps x 2 groups x ROWS rows
     loader = DataLoader([{"input_ids": r, "labels": r} for r in rows], batch_size=ROWS)
     optimizer = _optimizer("sgd", model.parameters())
@@ -303,8 +341,9 @@ def _accelerate_loop() -> dict[str, Any]:
     return {"seen": seen, "losses": losses}
 
 
-def test_accelerate_route_shards_data_over_the_groups() -> None:
-    results = run_distributed(_accelerate_loop, 4)
+@pytest.mark.parametrize("route", ["key", "argument", "environment"])
+def test_accelerate_route_shards_data_over_the_groups(route: str) -> None:
+    results = run_distributed(_accelerate_loop, 4, route)
     assert results[0]["seen"] == results[1]["seen"] and results[2]["seen"] == results[3]["seen"]
     assert results[0]["seen"] != results[2]["seen"]
     reference = _train_whole("llama", "sdpa", 2, "sgd")  # the same global batches, whole sequences

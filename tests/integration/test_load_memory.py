@@ -5,6 +5,7 @@ the plain model's loss. Each rank holds its shards plus one unit's working set."
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -26,17 +27,44 @@ CONFIG = dict(vocab_size=4096, hidden_size=384, intermediate_size=1024, num_hidd
               tie_word_embeddings=True)
 MAX_RATIO = 0.6
 
-def warm_up() -> None:
-    """Both sides run this first, so the code pages of the kernels a forward touches (100+ MB of
-    libtorch) are resident before the measurement and count for neither."""
+TINY = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+            num_attention_heads=2, num_key_value_heads=1)
+STAGE3 = {"train_micro_batch_size_per_gpu": 1,
+          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+
+
+def warm_up(engine: bool = False) -> None:
+    """Both sides run their own path on a tiny model first, so what a process pays once whatever
+    the model (code pages, modules imported on first use, threads) counts for neither. The plain
+    side: a forward and backward (the code pages of the kernels, 100+ MB of libtorch) and a save
+    and ``from_pretrained``. A rank also joins the process group and runs ``hf_zero.initialize``
+    and a forward, before its stage-3 config is alive, so hf_zero's sharded loading itself is
+    still measured. Without that a rank counted about 10 MiB that are no part of loading, on
+    torch 2.13 and 2.15 alike (+38 MiB against +62, 0.62x): 4-5 MiB of libtorch's gloo code and
+    gloo's threads on joining the group and the first collectives (ranks fork from a server that
+    imported torch, tests/distributed/launch.py, and fault in each code page they use), and about
+    3 MiB of hf_zero modules that ``initialize`` imports on first use. With it, a rank grows by
+    its shard and under 1 MiB; loading the whole model on every rank reads +108 MiB."""
+    import tempfile
+
     import transformers
 
     torch.set_num_threads(1)
-    tiny = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1))
+    tiny = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY))
     ids = torch.randint(0, 64, (2, 16))
     tiny(input_ids=ids, labels=ids).loss.backward()
+    with tempfile.TemporaryDirectory() as folder:
+        tiny.save_pretrained(folder)
+        tiny = transformers.LlamaForCausalLM.from_pretrained(folder)
+    if engine:
+        import hf_zero
+
+        tiny_engine, *_ = hf_zero.initialize(model=tiny, config=STAGE3)
+        with torch.no_grad():
+            tiny_engine(input_ids=ids, labels=ids)
+        del tiny_engine
+    del tiny
+    gc.collect()
 
 
 def rss_mb(field: str) -> float:
@@ -89,10 +117,8 @@ def _sharded_load(name: str) -> dict[str, Any]:
 
     import hf_zero
 
-    warm_up()
-    config = {"train_micro_batch_size_per_gpu": 1,
-              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
-    live = hf_zero.HfZeroConfig(config)
+    warm_up(engine=True)
+    live = hf_zero.HfZeroConfig(STAGE3)
     before = reset_peak()
     model = transformers.AutoModelForCausalLM.from_pretrained(name)
     engine, *_ = hf_zero.initialize(model=model, config=live)

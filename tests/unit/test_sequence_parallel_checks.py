@@ -81,3 +81,43 @@ def test_the_size_must_divide_the_world_and_the_batch_counts_data_parallel_ranks
 def test_labels_are_shifted_over_the_whole_sequence() -> None:
     labels = torch.tensor([[5, 6, 7, 8]])
     assert shift_labels(labels).tolist() == [[6, 7, 8, -100]]
+
+
+def test_tiled_mlp_refuses_expert_blocks_and_models_without_block_mlps() -> None:
+    from transformers import AutoModelForCausalLM, BertConfig, BertModel, Qwen2MoeConfig
+
+    from hf_zero.sequence_parallel import tileable_mlps
+
+    assert [type(m).__name__ for m in tileable_mlps(_llama())] == ["LlamaMLP"]
+    moe = AutoModelForCausalLM.from_config(Qwen2MoeConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=16, moe_intermediate_size=8, shared_expert_intermediate_size=8,
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, num_experts=2, num_experts_per_tok=1))
+    with pytest.raises(ValueError, match="Qwen2MoeSparseMoeBlock is not a token-wise MLP"):
+        tileable_mlps(moe)
+    bert = BertModel(BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                intermediate_size=16))
+    with pytest.raises(ValueError, match="no transformer block with an `mlp`"):
+        tileable_mlps(bert)
+
+
+def test_parallelism_config_sp_size_becomes_the_configs_and_the_rest_is_refused_by_name() -> None:
+    from accelerate import ParallelismConfig
+
+    from hf_zero.integrations.parallelism import with_sequence_parallel
+
+    raw = {"zero_optimization": {"stage": 3}}
+    assert with_sequence_parallel(raw, ParallelismConfig(sp_size=4, sp_backend="deepspeed"), 8) == {
+        **raw, "sequence_parallel_size": 4}
+    assert with_sequence_parallel(raw, None, 8) is raw
+    assert with_sequence_parallel(raw, ParallelismConfig(sp_size=2, dp_shard_size=4), 8)["sequence_parallel_size"] == 2
+    assert with_sequence_parallel({**raw, "sequence_parallel_size": 2}, ParallelismConfig(sp_size=2), 8)
+    for parallelism, words in [
+        (ParallelismConfig(tp_size=2), "tp_size 2: hf_zero has no tensor parallelism"),
+        (ParallelismConfig(cp_size=2), "cp_size 2: context parallelism is FSDP2's"),
+        (ParallelismConfig(dp_replicate_size=2, dp_shard_size=4), "mics_shard_size: 4"),
+        (ParallelismConfig(sp_size=2, dp_shard_size=2), "data-parallel size 2 x sp_size 2 is not the world size 8"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            with_sequence_parallel(raw, parallelism, 8)
+    with pytest.raises(ValueError, match="sp_size 4 disagrees with sequence_parallel_size 2"):
+        with_sequence_parallel({**raw, "sequence_parallel_size": 2}, ParallelismConfig(sp_size=4), 8)

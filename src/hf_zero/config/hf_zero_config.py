@@ -339,6 +339,9 @@ class HfZeroConfig:
 
     def _batch_line(self) -> str:
         parts = [f"{key}={self._safe(lambda k=key: self._batch_member(k))}" for key in (TOTAL, MICRO, GAS)]
+        size = self.to_dict().get("sequence_parallel_size", 1)
+        if isinstance(size, int) and size > 1:  # [Note: sequence-parallel layout]
+            parts.append(f"sequence_parallel_size={size}")
         return "batch: " + ", ".join(parts)
 
     def _policy_lines(self) -> list[str]:

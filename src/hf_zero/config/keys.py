@@ -367,6 +367,7 @@ _SPECS: list[KeySpec] = [
     KeySpec("use_data_before_expert_parallelism", Bool(), False, "Rank topology for expert parallelism.", NO_EFFECT, "hf_zero has no expert parallelism, so this is never read"),
     KeySpec("sequence_parallel_size", Int(), 1, "Ulysses sequence-parallel degree: groups of this many consecutive ranks share each sequence, 1/S each; the data-parallel degree is world / S.", IMPLEMENTED, "attention through all-to-all over the group, the loss over the group's tokens (docs/how-it-works.md \"Long sequences\")", check=at_least(1)),
     KeySpec("tiled_loss_tokens", Int(), 0, "hf_zero only: a causal LM's logits and loss computed this many tokens at a time in training, each tile recomputed in the backward, so the whole [batch, sequence, vocab] logits never exist (outputs.logits is then None in training); 0: off.", check=at_least(0)),
+    KeySpec("tiled_mlp_tokens", Int(), 0, "hf_zero only: every transformer block's MLP computed this many tokens at a time in training, each tile recomputed in the backward, so its [tokens, intermediate] activations exist for one tile at a time (mixture-of-experts blocks are refused); 0: off.", check=at_least(0)),
     # -- zero_optimization (runtime/zero/config.py) --
     KeySpec("zero_optimization", Section(), {}, "ZeRO settings."),
     KeySpec("zero_optimization.stage", Int(), 0, "0: data parallel; 1: shard fp32 master + optimizer state; 2: also gradients; 3: also parameters.", check=_zero_stage),

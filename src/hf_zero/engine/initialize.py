@@ -36,7 +36,8 @@ from hf_zero.offload.nvme_io import AioSettings
 from hf_zero.offload.threads import host_step_threads, log_choice
 from hf_zero.partition import KEEP_GATHERED, is_persistent, plan_units
 from hf_zero.sequence_parallel import (SequenceParallel, causal_lm_heads, check_model, check_tiling,
-                                      data_parallel_place, install_tiled_loss, make_layout)
+                                      data_parallel_place, install_tiled_loss, install_tiled_mlp, make_layout,
+                                      tileable_mlps)
 from hf_zero.sequence_parallel.layout import configured_size
 
 logger = logging.getLogger("hf_zero")
@@ -282,6 +283,8 @@ def initialize(
                 check_model(model, _sequence_parallel_size(resolved))
             if _tiled_loss_tokens(resolved):
                 check_tiling(model, causal_lm_heads(model))
+            if _tiled_mlp_tokens(resolved):
+                tileable_mlps(model)
             prints = fingerprint(resolved.to_dict(), hyper, plan.units)
         except Exception as exc:
             local_error = exc
@@ -294,6 +297,8 @@ def initialize(
     if _tiled_loss_tokens(resolved):  # [Note: tiled logits and loss]
         install_tiled_loss(causal_lm_heads(model), _tiled_loss_tokens(resolved),
                            sequence_parallel.layout if sequence_parallel is not None else None)
+    if _tiled_mlp_tokens(resolved):  # [Note: tiled MLP]
+        install_tiled_mlp(tileable_mlps(model), _tiled_mlp_tokens(resolved))
     resolved.log_summary(comm.global_rank)
     if comm.global_rank == 0:
         for warning in config_warnings(resolved.to_dict()):
@@ -385,6 +390,10 @@ def _sequence_parallel_size(config: HfZeroConfig) -> int:
 
 def _tiled_loss_tokens(config: HfZeroConfig) -> int:
     return int(config.get_value("tiled_loss_tokens", 0) or 0)
+
+
+def _tiled_mlp_tokens(config: HfZeroConfig) -> int:
+    return int(config.get_value("tiled_mlp_tokens", 0) or 0)
 
 
 def _check_optimizer_given(model: nn.Module, optimizer: OptimizerArg, resolved: HfZeroConfig) -> None:

@@ -55,6 +55,7 @@ from hf_zero.engine.initialize import hidden_size_of
 from hf_zero.engine.optim.optimizer import ZeroOptimizer
 from hf_zero.integrations._plugin import HfZeroPlugin, plugin_from_env
 from hf_zero.integrations._weights import attach_engine, engine_of, gather_full_state_dict, release_engine
+from hf_zero.integrations.parallelism import hidden_from_accelerate, parallelism_from_env, with_sequence_parallel
 from hf_zero.sequence_parallel.layout import configured_size, data_parallel_place
 
 logger = logging.getLogger("hf_zero")
@@ -175,7 +176,13 @@ class HfZeroAccelerator(Accelerator):
         if config is not None:
             _check_no_other_backend(kwargs)
             kwargs["mixed_precision"] = "no"
-        super().__init__(*args, **kwargs)
+            # [Note: parallelism_config]: its sp_size becomes the config's; Accelerate never sees it
+            parallelism = kwargs.pop("parallelism_config", None) or parallelism_from_env()
+            if parallelism is not None:
+                config = derived_config(with_sequence_parallel(config.to_dict(), parallelism,
+                                                               int(os.environ.get("WORLD_SIZE", "1"))))
+        with hidden_from_accelerate() if config is not None else contextlib.nullcontext():
+            super().__init__(*args, **kwargs)
         launched = int(os.environ.get("WORLD_SIZE", "1"))
         if config is not None and launched != self.num_processes:
             raise RuntimeError(

@@ -59,6 +59,7 @@ from hf_zero.integrations._accelerator import (
     derived_config,
 )
 from hf_zero.integrations._weights import engine_of, load_state_dict_into_engine, release_engine
+from hf_zero.integrations.parallelism import parallelism_from_env, with_sequence_parallel
 from hf_zero.sequence_parallel.layout import configured_size
 
 logger = logging.getLogger("hf_zero")
@@ -229,6 +230,8 @@ def attach_zero_config(args: TrainingArguments) -> None:
         return
     _check_supported(args)
     raw = _with_precision_sections(HfZeroConfig(source).to_dict(), args.mixed_precision)
+    raw = with_sequence_parallel(raw, getattr(args, "parallelism_config", None) or parallelism_from_env(),
+                                 args.world_size)
     if "optimizer" not in raw:  # the Trainer builds the optimizer: as transformers does for DeepSpeed
         raw.setdefault("zero_allow_untested_optimizer", True)
     steps = args.max_steps if args.max_steps > 0 else None

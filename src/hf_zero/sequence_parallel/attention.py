@@ -78,10 +78,10 @@ def _make_wrapper(implementation: str) -> Callable[..., Any]:
         if layout is None or not module.training:
             return core(module, query, key, value, attention_mask, *args, **kwargs)
         AttentionCalls.count += 1
-        group, size = layout.group, layout.size
-        query = heads_to_sequence(query, group)
-        key = heads_to_sequence(_kv_for_group(key, size), group)
-        value = heads_to_sequence(_kv_for_group(value, size), group)
+        size, send = layout.size, layout.all_to_all
+        query = heads_to_sequence(query, size, send)
+        key = heads_to_sequence(_kv_for_group(key, size), size, send)
+        value = heads_to_sequence(_kv_for_group(value, size), size, send)
         kwargs.pop("position_ids", None)  # local positions; the core attention runs causal instead
         mask = _causal_mask(query.shape[2], query) if implementation == "eager" else None
         groups = getattr(module, "num_key_value_groups", None)
@@ -92,7 +92,7 @@ def _make_wrapper(implementation: str) -> Callable[..., Any]:
         finally:
             if groups is not None:
                 module.num_key_value_groups = groups
-        return sequence_to_heads(output, group), None
+        return sequence_to_heads(output, size, send), None
 
     ulysses_attention.hf_zero_sequence_parallel = True  # type: ignore[attr-defined]
     return ulysses_attention

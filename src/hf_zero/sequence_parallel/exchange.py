@@ -7,7 +7,7 @@ adjoint in the backward): the engine's own collectives, labels and statistics ar
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -63,24 +63,23 @@ def sum_over_group(value: torch.Tensor, group: dist.ProcessGroup) -> torch.Tenso
     return _SumOverGroup.apply(value, group)
 
 
-def heads_to_sequence(states: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def heads_to_sequence(states: torch.Tensor, size: int, send: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """``[batch, heads, local_seq, dim]`` with this rank's slice of the sequence to
     ``[batch, heads / S, S * local_seq, dim]`` with the whole sequence and this rank's heads.
 
     Rank ``j`` of the group holds sequence chunk ``j``; it sends head chunk ``i`` to rank ``i``, so
-    rank ``i`` receives its heads for every chunk of the sequence, in sequence order."""
+    rank ``i`` receives its heads for every chunk of the sequence, in sequence order. ``send`` is
+    the group's all-to-all over dimension 0 (``SequenceParallelLayout.all_to_all``)."""
     batch, heads, local_seq, dim = states.shape
-    size = dist.get_world_size(group)
     chunks = states.reshape(batch, size, heads // size, local_seq, dim).transpose(0, 1)
-    received = all_to_all(chunks, group)  # [S (sequence chunk), batch, heads / S, local_seq, dim]
+    received = send(chunks)  # [S (sequence chunk), batch, heads / S, local_seq, dim]
     return received.permute(1, 2, 0, 3, 4).reshape(batch, heads // size, size * local_seq, dim)
 
 
-def sequence_to_heads(output: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def sequence_to_heads(output: torch.Tensor, size: int, send: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """The way back for attention's output: ``[batch, seq, heads / S, dim]`` (the layout
     transformers' attention functions return) to ``[batch, seq / S, heads, dim]``."""
     batch, seq, local_heads, dim = output.shape
-    size = dist.get_world_size(group)
     chunks = output.reshape(batch, size, seq // size, local_heads, dim).transpose(0, 1)
-    received = all_to_all(chunks, group)  # [S (head chunk), batch, seq / S, heads / S, dim]
+    received = send(chunks)  # [S (head chunk), batch, seq / S, heads / S, dim]
     return received.permute(1, 2, 0, 3, 4).reshape(batch, seq // size, size * local_heads, dim)

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hf_zero.sequence_parallel.exchange import all_to_all
+
 
 @dataclass(frozen=True)
 class SequenceParallelLayout:
@@ -27,6 +29,10 @@ class SequenceParallelLayout:
     data_parallel_size: int  # world / S
     group: dist.ProcessGroup  # this rank's sequence-parallel group
     device: torch.device  # where the group's collectives take their tensors
+
+    def all_to_all(self, chunks: torch.Tensor) -> torch.Tensor:
+        """The group's differentiable all-to-all over dimension 0 ([Note: Ulysses attention])."""
+        return all_to_all(chunks, self.group)
 
 
 def configured_size(config: dict[str, Any]) -> int:
