@@ -204,6 +204,10 @@ def _refusals_and_eval() -> dict[str, Any]:
         engine(input_ids=mine, labels=mine)
     except ValueError as exc:
         found["different"] = str(exc)
+    try:  # TRL's SFTTrainer: its loss comes from its own head over the local slice
+        engine(input_ids=rows, labels=rows, fused_lm_head=True)
+    except ValueError as exc:
+        found["fused"] = str(exc)
     engine.sequence_parallel._checked = False  # the first-batch check, once more
     mask = torch.ones_like(rows)
     mask[:, :2] = 0  # padding on the left
@@ -242,6 +246,7 @@ def test_refusals_whole_sequence_evaluation_and_resume_without(tmp_path, monkeyp
     for found in results:
         assert "got different batches" in found["different"] and "data_parallel_rank" in found["different"]
         assert "padding on the right" in found["left"]
+        assert "TRL's fused_lm_head" in found["fused"] and "1/S of DDP's" in found["fused"]
         assert found["eval_shape"] == [ROWS, SEQ, VOCAB]
         assert found["eval_diff"] < 1e-5
         assert found["resume_diff"] == 0.0 and found["moved"] > 1e-4

@@ -56,6 +56,12 @@ def shard_inputs(layout: SequenceParallelLayout, args: tuple[Any, ...], kwargs: 
     if tokens is None:
         raise ValueError("sequence parallelism needs input_ids or inputs_embeds in the model call")
     batch, length = tokens.shape[0], tokens.shape[1]
+    if kwargs.get("fused_lm_head"):
+        raise ValueError(
+            "sequence parallelism: this call asks for TRL's fused_lm_head, whose loss and metrics TRL computes "
+            "from each rank's slice of the sequence, not over the group (the gradient would be 1/S of DDP's); "
+            "train TRL's SFTTrainer without sequence_parallel_size, or use transformers' Trainer, whose loss "
+            "goes through the model")
     if kwargs.get("past_key_values") is not None:
         raise ValueError("sequence parallelism trains on whole sequences; a call with past_key_values "
                          "(generation) must run in eval mode (model.eval())")
