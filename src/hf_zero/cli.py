@@ -607,7 +607,16 @@ def _launch(argv: list[str]) -> int:
             os.unlink(tmp_path)
 
 
-_FORMATTER = argparse.ArgumentDefaultsHelpFormatter
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults in the help, but not for a required option, whose default is never used."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.required:
+            return action.help
+        return super()._get_help_string(action)
+
+
+_FORMATTER = _Formatter
 _LAUNCH_HELP = ("accelerate launch with an hf_zero: section in --config_file (or --zero_config z.json); "
                 "every other argument goes to accelerate launch unchanged")
 

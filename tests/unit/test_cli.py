@@ -37,6 +37,8 @@ def test_every_help_exits_zero_and_describes_every_option(command):
             assert action.help, f"hf-zero {command[0]}: {action.dest} has no help text"
             for option in action.option_strings:
                 assert option in out.stdout
+            if action.required and action.help:  # a required option's default is never used: not shown
+                assert f"{' '.join(action.help.split())} (default:" not in " ".join(out.stdout.split())
 
 
 def test_demo_help_lists_the_demos_own_flags():
