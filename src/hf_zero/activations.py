@@ -35,7 +35,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from hf_zero.sequence_parallel.attention import ATTACHED, register
+from hf_zero.sequence_parallel.attention import attach
 from hf_zero.sequence_parallel.layout import SequenceParallelLayout
 from hf_zero.sequence_parallel.model import causal_lm_heads
 from hf_zero.sequence_parallel.tiled_loss import install_tiled_loss
@@ -184,13 +184,9 @@ def _drop_grad(param: torch.Tensor) -> None:
 def _attach_traced_attention(model: nn.Module, size: int) -> None:
     """The sequence-parallel attention, at S = 1 too: under fake tensors transformers cannot see
     that a batch has no padding and would make a ``[seq, seq]`` mask that a real step does not."""
-    implementation = model.config._attn_implementation
-    register(implementation)
-    layout = _TracedLayout(size=size, rank=0, data_parallel_rank=0, data_parallel_size=1, group=None,
-                           device=torch.device("cpu"))
-    for module in model.modules():
-        if "Attention" in type(module).__name__:
-            setattr(module, ATTACHED, layout)
+    attach(model, model.config._attn_implementation,
+           _TracedLayout(size=size, rank=0, data_parallel_rank=0, data_parallel_size=1, group=None,
+                         device=torch.device("cpu")))
 
 
 def estimate_activations(config: Any, settings: ActivationSettings) -> ActivationEstimate:

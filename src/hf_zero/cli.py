@@ -379,7 +379,7 @@ def _simulate(args: argparse.Namespace, model: Any, row: Any) -> int:
 
 
 def _simulated_table(result: dict[str, Any], row: Any, states: int, padding: tuple[float, float]) -> str:
-    from hf_zero.estimator import human_bytes
+    from hf_zero.estimator import human_bytes, text_table
 
     measured_working = result["peak_above_states"]
     padded, unpadded = padding
@@ -390,9 +390,7 @@ def _simulated_table(result: dict[str, Any], row: Any, states: int, padding: tup
             ("+working", f"{human_bytes(measured_working)} ({measured_working} B)",
              f"{human_bytes(row.working_bytes)} ({row.working_bytes} B)",
              f"{row.working_bytes / measured_working:.3f}" if measured_working > 0 else "-")]
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    lines = [" | ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
-    lines.insert(1, "-+-".join("-" * w for w in widths))
+    lines = text_table(rows).splitlines()
     lines += [f"padding in the states: {human_bytes(int(padded - unpadded))} "
               f"({100 * (padded - unpadded) / padded if padded else 0:.3f}%)",
               f"time: build {result['build_s']:.1f} s, initialize {result['init_s']:.1f} s (peak added "

@@ -466,6 +466,14 @@ def device_formula(stage: int, compute_bytes: int, offload_optimizer: bool, offl
     return f"{c + 4 + master + 8}Ψ/N"
 
 
+def text_table(rows: Sequence[Sequence[str]]) -> str:
+    """``rows`` (the header first) as aligned columns with a rule under the header."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [" | ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
 def format_table(estimates: list[StateEstimate]) -> str:
     """The estimates as a text table, one row per stage and offload choice, with the formula each
     device figure follows and the ZeRO paper's figure beside it."""
@@ -477,10 +485,7 @@ def format_table(estimates: list[StateEstimate]) -> str:
          human_bytes(e.host_bytes_per_node))
         for e in estimates
     ]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = [" | ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
-    lines.insert(1, "-+-".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return text_table(rows)
 
 
 def format_peak_table(estimates: list[StateEstimate], activation_peak: int) -> str:
@@ -493,10 +498,7 @@ def format_peak_table(estimates: list[StateEstimate], activation_peak: int) -> s
          human_bytes(e.device_bytes + e.working_bytes + activation_peak))
         for e in estimates
     ]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = [" | ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
-    lines.insert(1, "-+-".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return text_table(rows)
 
 
 def describe(module: nn.Module, world_size: int, wrap_modules: Sequence[str] | None = None) -> str:

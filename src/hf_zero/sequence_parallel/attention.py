@@ -111,6 +111,14 @@ def register(implementation: str) -> None:
     ALL_ATTENTION_FUNCTIONS[implementation] = _make_wrapper(implementation)
 
 
+def attach(model: nn.Module, implementation: str, layout: SequenceParallelLayout) -> None:
+    """Register the wrapper under ``implementation`` and point ``model``'s attention modules at ``layout``."""
+    register(implementation)
+    for module in model.modules():
+        if "Attention" in type(module).__name__:
+            setattr(module, ATTACHED, layout)
+
+
 def check_heads(config: Any, size: int) -> list[str]:
     """What about the model's heads stops a split over ``size`` ranks, as sentences with the fix."""
     heads = getattr(config, "num_attention_heads", None)

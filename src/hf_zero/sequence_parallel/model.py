@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import nn
 
-from hf_zero.sequence_parallel.attention import ATTACHED, SUPPORTED, AttentionCalls, check_heads, register
+from hf_zero.sequence_parallel.attention import SUPPORTED, AttentionCalls, attach, check_heads
 from hf_zero.sequence_parallel.batch import shard_inputs
 from hf_zero.sequence_parallel.layout import SequenceParallelLayout
 from hf_zero.sequence_parallel.loss import SequenceParallelLossFunction
@@ -72,10 +72,7 @@ class SequenceParallel:
         self.pad_token_id = getattr(config, "pad_token_id", None) or 0
         self._checked = False
         self._calls_at_start = 0
-        register(config._attn_implementation)
-        for module in model.modules():
-            if "Attention" in type(module).__name__:
-                setattr(module, ATTACHED, layout)
+        attach(model, config._attn_implementation, layout)
         for head in causal_lm_heads(model):
             if not isinstance(head.loss_function, SequenceParallelLossFunction):
                 head.loss_function = SequenceParallelLossFunction(head, layout, head.loss_function)
