@@ -7,10 +7,12 @@ loaded on first use, so ``hf-zero --version`` and ``hf-zero check-config`` answe
 ([Note: the command imports torch late] in hf_zero.cli).
 """
 
+import os
 from typing import Any
 
 from hf_zero.config import HfZeroConfig, HfZeroConfigError
 from hf_zero.config.live import on_live_zero3_config
+from hf_zero.log import configure_library_logger
 
 __version__ = "0.1.0"
 
@@ -24,6 +26,7 @@ def _install_sharded_loading() -> None:
 
 
 on_live_zero3_config(_install_sharded_loading)
+configure_library_logger(os.environ)
 
 
 def __getattr__(name: str) -> Any:

@@ -27,7 +27,8 @@ trace against the resident peak of a real run.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,6 +36,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from hf_zero.partition import ROOT_UNIT_NAME, plan_units
 from hf_zero.sequence_parallel.attention import attach
 from hf_zero.sequence_parallel.layout import SequenceParallelLayout
 from hf_zero.sequence_parallel.model import causal_lm_heads
@@ -73,6 +75,8 @@ class ActivationEstimate:
     peak: int  # over the forward and the backward
     per_layer_after_forward: int
     per_layer_peak: int
+    # (unit name, "forward" or "backward") -> the most bytes live while that unit ran: [Note: activations by unit]
+    by_unit: dict[tuple[str, str], int] = field(default_factory=dict)
 
 
 class _LiveStorages(TorchDispatchMode):
@@ -87,6 +91,7 @@ class _LiveStorages(TorchDispatchMode):
         self.sizes: dict[int, int] = {}
         self.live = 0
         self.peak = 0
+        self.segment_peak = 0  # since the last unit boundary: [Note: activations by unit]
 
     def _release(self, key: int) -> None:
         self.holders[key] -= 1
@@ -107,6 +112,7 @@ class _LiveStorages(TorchDispatchMode):
                 self.sizes[key] = tensor.untyped_storage().nbytes()
                 self.live += self.sizes[key]
                 self.peak = max(self.peak, self.live)
+                self.segment_peak = max(self.segment_peak, self.live)
             self.holders[key] += 1
             weakref.finalize(tensor, self._release, key)
         return out
@@ -129,7 +135,41 @@ class _TracedLayout(SequenceParallelLayout):
         return chunks if self.size == 1 else _SameShape.apply(chunks)
 
 
-def _trace(config: Any, layers: int, settings: ActivationSettings) -> tuple[int, int]:
+class _UnitSegments:
+    """The most bytes live in each (unit, phase) stretch of the step ([Note: activations by unit])."""
+
+    def __init__(self, counter: _LiveStorages) -> None:
+        self.counter = counter
+        self.current = (ROOT_UNIT_NAME, "forward")
+        self.peaks: dict[tuple[str, str], int] = {}
+        self.order: list[str] = []  # units in the order their forwards began
+
+    def enter(self, key: tuple[str, str]) -> None:
+        self.peaks[self.current] = max(self.peaks.get(self.current, 0), self.counter.segment_peak)
+        self.counter.segment_peak = self.counter.live
+        self.current = key
+
+    def watch(self, name: str, module: nn.Module) -> None:
+        def before_forward(*_: Any) -> None:
+            if not self.counter.backward:  # a checkpointed layer's recompute is its backward's
+                if name not in self.order:
+                    self.order.append(name)
+                self.enter((name, "forward"))
+
+        def after_forward(_module: nn.Module, _inputs: Any, output: Any) -> None:
+            if self.counter.backward:
+                return
+            self.enter((name, "forward"))  # until the next unit: the loss after the head is the head's
+            # The unit's backward begins when the gradient of its output arrives.
+            first = next((t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad), None)
+            if first is not None:
+                first.register_hook(lambda grad: self.enter((name, "backward")))
+
+        module.register_forward_pre_hook(before_forward)
+        module.register_forward_hook(after_forward)
+
+
+def _trace(config: Any, layers: int, settings: ActivationSettings) -> tuple[int, int, _UnitSegments]:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoModelForCausalLM
 
@@ -140,7 +180,7 @@ def _trace(config: Any, layers: int, settings: ActivationSettings) -> tuple[int,
                                                  or "sdpa")
         model.train()
         if settings.gradient_checkpointing:
-            _enable_checkpointing(model)
+            enable_checkpointing(model)
         if settings.tiled_mlp_tokens:
             install_tiled_mlp(tileable_mlps(model), settings.tiled_mlp_tokens)
         if settings.tiled_loss_tokens:
@@ -150,16 +190,23 @@ def _trace(config: Any, layers: int, settings: ActivationSettings) -> tuple[int,
         for param in params:
             param.register_post_accumulate_grad_hook(_drop_grad)
         counter = _LiveStorages({p.untyped_storage()._cdata for p in params}, {tuple(p.shape) for p in params})
+        segments = _UnitSegments(counter)
+        for spec in plan_units(model).units:
+            if spec.name != ROOT_UNIT_NAME:
+                segments.watch(spec.name, spec.module)
         ids = torch.zeros(settings.micro_batch, settings.local_seq, dtype=torch.long)
         with counter:
             loss = model(input_ids=ids, labels=ids).loss
             after_forward = counter.live
+            segments.enter((ROOT_UNIT_NAME, "forward"))
             counter.backward = True
+            segments.enter((ROOT_UNIT_NAME, "backward"))
             loss.backward()
-    return after_forward, counter.peak
+            segments.enter((ROOT_UNIT_NAME, "backward"))
+    return after_forward, counter.peak, segments
 
 
-def _enable_checkpointing(model: nn.Module) -> None:
+def enable_checkpointing(model: nn.Module) -> None:
     """The model's own activation checkpointing (``activation_checkpointing_enable`` in transformers
     5, ``gradient_checkpointing_enable`` before)."""
     enable = getattr(model, "activation_checkpointing_enable", None)
@@ -194,11 +241,46 @@ def estimate_activations(config: Any, settings: ActivationSettings) -> Activatio
     ``PretrainedConfig``) under ``settings`` ([Note: traced activations])."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     layers = int(getattr(text, "num_hidden_layers", 1) or 1)
-    forward_1, peak_1 = _trace(config, 1, settings)
-    forward_2, peak_2 = _trace(config, 2, settings)
+    forward_1, peak_1, one = _trace(config, 1, settings)
+    forward_2, peak_2, two = _trace(config, 2, settings)
     per_forward, per_peak = max(0, forward_2 - forward_1), max(0, peak_2 - peak_1)
     return ActivationEstimate(settings=settings, layers=layers,
                               after_forward=forward_1 + (layers - 1) * per_forward,
                               peak=peak_1 + (layers - 1) * per_peak,
-                              per_layer_after_forward=per_forward, per_layer_peak=per_peak)
+                              per_layer_after_forward=per_forward, per_layer_peak=per_peak,
+                              by_unit=_by_unit(one, two, layers, per_forward)
+                              or {(ROOT_UNIT_NAME, "forward"): peak_1 + (layers - 1) * per_peak})
+
+
+# [Note: activations by unit]
+# The peak of a step is not the states plus the working set's peak plus the activations' peak:
+# the working set peaks at one unit (the head's backward, with its gradient whole) and the
+# activations at another (the end of the forward). ``hf-zero estimate`` adds the two at each
+# unit of the stage-3 replay instead (estimator.Stage3Replay) and takes the largest sum. The
+# trace marks where each unit's forward begins and ends and where its backward begins (module
+# hooks on the units ``plan_units`` chooses, as the engine's are); each stretch's most live bytes
+# are the unit's: the forward's from its start to the next unit's (the loss after the head is the
+# head's), the backward's from its start to the next unit's (the root's is the loss's backward,
+# before the head's). For L layers, layer j's figures are layer 0's plus j times the difference
+# layer 1 makes in the two-layer trace; the other units' are the one-layer trace's, plus L - 1
+# layers' kept activations for those that run after the layers in the forward (and so before
+# them in the backward), the root included.
+def _by_unit(one: _UnitSegments, two: _UnitSegments, layers: int, per_layer_kept: int) -> dict[tuple[str, str], int]:
+    new = [name for name in two.order if name not in one.order]
+    if len(new) != 1 or not re.search(r"\.1$", new[0]):
+        return {}  # no single numbered layer told apart: the caller falls back to the peaks' sum
+    first, second = new[0][:-1] + "0", new[0]
+    if first not in one.order:
+        return {}
+    after_layers = set(one.order[one.order.index(first) + 1:]) | {ROOT_UNIT_NAME}
+    out: dict[tuple[str, str], int] = {}
+    for (name, phase), value in one.peaks.items():
+        if name != first:
+            out[(name, phase)] = value + (layers - 1) * per_layer_kept * (name in after_layers)
+    for phase in ("forward", "backward"):
+        base = two.peaks.get((first, phase), 0)
+        step = two.peaks.get((second, phase), 0) - base
+        for j in range(layers):
+            out[(first[:-1] + str(j), phase)] = max(0, base + j * step)
+    return out
 

@@ -63,7 +63,8 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq", type=at_least(2), default=128, help="tokens per sequence")
     parser.add_argument("--micro-batch", type=at_least(1), default=4, help="sequences per rank per micro-step")
     parser.add_argument("--grad-accum", type=at_least(1), default=1, help="gradient accumulation steps")
-    parser.add_argument("--lr", type=positive_float, default=3e-3, help="AdamW learning rate")
+    parser.add_argument("--lr", type=positive_float, default=1e-3,
+                        help="AdamW peak learning rate (a linear warmup from 0.2 of it over a quarter of the steps, then a cosine)")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                         help="compute dtype (bf16 is slow on CPUs without native bf16 matmul)")
     parser.add_argument("--seed", type=int, default=1234, help="seed of the weights and the data")
@@ -102,14 +103,15 @@ def _demo(args: argparse.Namespace, rest: list[str]) -> int:
     env = dict(os.environ)
     if args.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""  # hf_zero.demo hides it too; torchrun's own checks then agree
+    # torchrun sets 1 thread per rank when unset, and prints a banner saying so: set it first
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
     # torchrun keeps its per-rank log folders in a fresh temporary folder unless given one
     with tempfile.TemporaryDirectory(prefix="hf_zero_demo_logs_") as logs:
         command = [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--log-dir={logs}",
             f"--nproc_per_node={args.nproc}", "-m", "hf_zero.demo", *passed,
         ]
-        print("running:", " ".join(command), flush=True)
-        return subprocess.call(command, env=env)
+        return subprocess.call(command, env=env)  # quiet: the bar and the summary are the output
 
 
 def _without_option(argv: list[str], option: str) -> list[str]:
@@ -281,37 +283,42 @@ def _estimate(args: argparse.Namespace, rest: list[str]) -> int:
         print(f"hf-zero estimate: --shard-group-size {args.shard_group_size}: expected a divisor of the world size "
               f"{world} of at least 2 (usually --gpus-per-node)", file=sys.stderr)
         return 2
+    found = None
+    if args.seq is not None:
+        found = _trace_activations(args, model, world)
+        if isinstance(found, int):
+            return found
     estimates = estimate_model_states(
         model, args.gpus_per_node, args.nodes, dtype=args.dtype, stages=args.stages,
         persistence_threshold=args.persistence_threshold,
         working=WorkingSettings(args.reduce_bucket_size, args.max_reuse_distance, args.max_live_parameters,
                                 args.prefetch_bucket_size), shard_group_size=args.shard_group_size,
+        activations=None if found is None else found.by_unit,
     )
     print(describe(model, world))
     if args.shard_group_size is not None:
         print(f"hybrid sharding: states sharded over groups of {args.shard_group_size} ranks, "
               f"{world // args.shard_group_size} replicas (mics_shard_size)")
-    print(f"model states per rank ({args.dtype} compute, fp32 master and Adam state; "
-          "+working is transient memory during forward/backward):")
-    print(format_table(estimates))
-    if args.seq is not None:
-        code = _print_activations(args, model, estimates, world)
-        if code:
-            return code
+    print(f"model states per rank ({args.dtype} compute, fp32 master and Adam state), and the engine's working set:")
+    print(format_table(estimates, model))
+    if found is not None:
+        _print_activations(args, found, estimates)
+    elif not args.simulate:
+        print("will it fit: add --seq (and --micro-batch, --gradient-checkpointing) for the activations and the peak per rank")
     if not args.simulate:
         return 0
     row = estimate_model_states(model, args.gpus_per_node, args.nodes, dtype=args.dtype, stages=(3,),
                                 persistence_threshold=args.persistence_threshold,
                                 working=WorkingSettings(args.reduce_bucket_size, args.max_reuse_distance,
                                                         args.max_live_parameters, args.prefetch_bucket_size),
-                                shard_group_size=args.shard_group_size)[0]
+                                shard_group_size=args.shard_group_size,
+                                activations=None if found is None else found.by_unit)[0]
     return _simulate(args, model, row)
 
 
-def _print_activations(args: argparse.Namespace, model: Any, estimates: list[Any], world: int) -> int:
-    """``estimate --seq``: the traced activations ([Note: traced activations]) and the peak table."""
+def _trace_activations(args: argparse.Namespace, model: Any, world: int) -> Any:
+    """``estimate --seq``: the traced activations ([Note: traced activations]), or an exit code."""
     from hf_zero.activations import ActivationSettings, estimate_activations
-    from hf_zero.estimator import format_peak_table, human_bytes
 
     size = args.sequence_parallel_size
     if size < 1 or world % size:
@@ -322,12 +329,19 @@ def _print_activations(args: argparse.Namespace, model: Any, estimates: list[Any
                                   sequence_parallel_size=size, gradient_checkpointing=args.gradient_checkpointing,
                                   tiled_loss_tokens=args.tiled_loss_tokens, tiled_mlp_tokens=args.tiled_mlp_tokens)
     try:
-        found = estimate_activations(model.config, settings)
+        return estimate_activations(model.config, settings)
     except (ValueError, NotImplementedError, RuntimeError) as error:
         print(f"hf-zero estimate: cannot trace the activations of {args.model!r}: {error}", file=sys.stderr)
         return 1
+
+
+def _print_activations(args: argparse.Namespace, found: Any, estimates: list[Any]) -> None:
+    from hf_zero.estimator import format_peak_table, human_bytes
+
+    settings = found.settings
     choices = [f"{args.seq} tokens x {args.micro_batch} sequence(s)", args.dtype]
-    choices += [f"sequence_parallel_size {size} ({settings.local_seq} tokens a rank)"] if size > 1 else []
+    choices += [f"sequence_parallel_size {settings.sequence_parallel_size} ({settings.local_seq} tokens a rank)"
+                ] if settings.sequence_parallel_size > 1 else []
     choices += ["gradient checkpointing"] if args.gradient_checkpointing else []
     choices += [f"tiled_loss_tokens {args.tiled_loss_tokens}"] if args.tiled_loss_tokens else []
     choices += [f"tiled_mlp_tokens {args.tiled_mlp_tokens}"] if args.tiled_mlp_tokens else []
@@ -335,9 +349,9 @@ def _print_activations(args: argparse.Namespace, model: Any, estimates: list[Any
           f"{human_bytes(found.after_forward)} kept after the forward (the logits included), "
           f"{human_bytes(found.peak)} at the peak of the forward and backward "
           f"({human_bytes(found.per_layer_after_forward)} kept per layer, {found.layers} layers)")
-    print("peak per rank (the three added, as if their peaks coincided: an upper estimate):")
+    print("peak per rank: the states, plus the working set and the activations where their sum is largest "
+          "(stage 3: at each unit of the replayed step; stages 0-2: the two peaks added, an upper estimate):")
     print(format_peak_table(estimates, found.peak))
-    return 0
 
 
 def _simulate(args: argparse.Namespace, model: Any, row: Any) -> int:
@@ -349,12 +363,14 @@ def _simulate(args: argparse.Namespace, model: Any, row: Any) -> int:
     world = args.gpus_per_node * args.nodes
     rank = world - 1 if args.simulate_rank is None else args.simulate_rank
     largest = simulate.largest_module_bytes(model, row.compute_bytes)
-    need = simulate.INTERPRETER_BYTES + row.device_bytes + max(largest, row.working_bytes)
+    need = simulate.INTERPRETER_BYTES + row.device_bytes + max(largest, row.working_and_activations or row.working_bytes)
     available = simulate.available_host_bytes()
     print(f"\nsimulating rank {rank} of {world} on this machine's CPU with torch's fake process group: "
           "collectives move nothing, so the values computed are meaningless; only memory and time are measured")
     print(f"host memory needed: about {human_bytes(need)} (this rank's states {human_bytes(row.device_bytes)} + the larger of "
-          f"the largest module, materialised whole, {human_bytes(largest)} and +working {human_bytes(row.working_bytes)}, "
+          f"the largest module, materialised whole, {human_bytes(largest)} and "
+          f"{'+working' if row.working_and_activations is None else 'the working set and activations'} "
+          f"{human_bytes(row.working_and_activations or row.working_bytes)}, "
           f"+ {human_bytes(simulate.INTERPRETER_BYTES)} for Python, torch and transformers); available: "
           f"{'unknown' if available is None else human_bytes(available)}")
     if available is not None and need > available:
@@ -367,7 +383,8 @@ def _simulate(args: argparse.Namespace, model: Any, row: Any) -> int:
             "rank": rank, "world": world, "dtype": args.dtype, "persistence_threshold": args.persistence_threshold,
             "reduce_bucket_size": args.reduce_bucket_size, "max_reuse_distance": args.max_reuse_distance,
             "max_live_parameters": args.max_live_parameters, "prefetch_bucket_size": args.prefetch_bucket_size,
-            "seq": 16 if args.seq is None else args.seq, "micro_batch": args.micro_batch, "shard_group_size": args.shard_group_size}
+            "seq": 16 if args.seq is None else args.seq, "micro_batch": args.micro_batch, "shard_group_size": args.shard_group_size,
+            "gradient_checkpointing": args.gradient_checkpointing}
     try:
         result = simulate.run_rank_subprocess(spec, lambda line: print(f"  {line} ...", flush=True))
     except RuntimeError as error:
@@ -390,15 +407,22 @@ def _simulated_table(result: dict[str, Any], row: Any, states: int, padding: tup
             ("+working", f"{human_bytes(measured_working)} ({measured_working} B)",
              f"{human_bytes(row.working_bytes)} ({row.working_bytes} B)",
              f"{row.working_bytes / measured_working:.3f}" if measured_working > 0 else "-")]
+    if row.working_and_activations is not None:  # --seq: the measured growth holds the activations too
+        both, measured_peak = row.working_and_activations, states + measured_working
+        rows[-1] = ("+working, activations", f"{human_bytes(measured_working)} ({measured_working} B)",
+                    f"{human_bytes(both)} ({both} B)", f"{both / measured_working:.3f}" if measured_working > 0 else "-")
+        rows.append(("peak", f"{human_bytes(measured_peak)} ({measured_peak} B)",
+                     f"{human_bytes(row.device_bytes + both)} ({row.device_bytes + both} B)",
+                     f"{(row.device_bytes + both) / measured_peak:.3f}"))
     lines = text_table(rows).splitlines()
     lines += [f"padding in the states: {human_bytes(int(padded - unpadded))} "
               f"({100 * (padded - unpadded) / padded if padded else 0:.3f}%)",
               f"time: build {result['build_s']:.1f} s, initialize {result['init_s']:.1f} s (peak added "
               f"{human_bytes(result['init_peak'])}), forward+backward+step {result['fwd_bwd_step_s']:.1f} s on this CPU",
               _comm_line(result.get("comm", {})),
-              "+working measured: the peak resident growth of the forward and backward over the states (activations "
-              "of this short sequence included); not measured: activations of long sequences, real network buffers, "
-              "CUDA allocator fragmentation"]
+              "measured: the peak resident growth of the forward and backward over the states, activations "
+              f"included ({result.get('seq', '?')} tokens{', gradient checkpointing' if result.get('gradient_checkpointing') else ''}); "
+              "not measured: real network buffers, kernels' workspace on a GPU, CUDA allocator fragmentation"]
     return "\n".join(lines)
 
 

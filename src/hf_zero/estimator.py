@@ -125,6 +125,8 @@ class StateEstimate:
     host_bytes: int  # per rank
     breakdown: dict[str, int] = field(default_factory=dict)  # the no-offload categories
     compute_bytes: int = 2  # c: bytes per compute element
+    # with activations given: the working set and the activations at the point their sum is largest
+    working_and_activations: int | None = None
 
     @property
     def formula(self) -> str:
@@ -241,9 +243,15 @@ class Stage3Replay:
     and backward (engine/schedule/hooks.py), on sizes only; ``peak`` is the most elements held above the
     states."""
 
-    def __init__(self, units: list[UnitSizes], settings: WorkingSettings) -> None:
+    def __init__(self, units: list[UnitSizes], settings: WorkingSettings, compute_bytes: int = 1,
+                 activations: Mapping[tuple[str, str], int] | None = None) -> None:
         self.root, self.order = units[-1], units[:-1]
         self.settings = settings
+        self.compute_bytes = compute_bytes
+        # (unit, phase) -> activation bytes while it runs: [Note: activations by unit] in activations.py;
+        # a unit it does not name gets the largest figure
+        self.activations = dict(activations or {})
+        self.peak_with_activations = 0  # bytes: the working set and the activations at one point
         self.after: dict[str, int] = {self.root.name: 0}  # gathered elements after a unit, forward order
         for i, unit in enumerate(self.order):
             self.after[unit.name] = sum(u.gathered for u in self.order[i + 1:])
@@ -253,6 +261,13 @@ class Stage3Replay:
 
     def live(self) -> int:
         return sum(self.gathered.values())
+
+    def note(self, unit: UnitSizes, phase: str, elements: int) -> None:
+        """The working set of ``elements`` while ``unit`` runs its ``phase``."""
+        self.peak = max(self.peak, elements)
+        fallback = max(self.activations.values(), default=0)
+        self.peak_with_activations = max(self.peak_with_activations, elements * self.compute_bytes
+                                         + self.activations.get((unit.name, phase), fallback))
 
     def gather(self, unit: UnitSizes) -> None:
         if unit.gathered:
@@ -288,9 +303,10 @@ class Stage3Replay:
         for i, unit in enumerate(self.order):
             self.gather(unit)
             self.prefetch(self.order[i + 1:], backward=False)
-            self.peak = max(self.peak, self.live())
+            self.note(unit, "forward", self.live())
             if not self.keep_for_backward(unit):
                 self.gathered.pop(unit.name, None)
+        self.note(self.root, "forward", self.live())  # the loss, after the last unit
         if not self.keep_for_backward(self.root):
             self.gathered.pop(self.root.name, None)
 
@@ -309,7 +325,7 @@ class Stage3Replay:
                 self.gather(unit)
             self.prefetch(backward_order[i:], backward=True)  # the units after this one
             self.grads_held += unit.grads
-            self.peak = max(self.peak, self.live() + self.grads_held + unit.largest_grad)
+            self.note(unit, "backward", self.live() + self.grads_held + unit.largest_grad)
             self.gathered.pop(unit.name, None)
             done.add(unit.name)
             while buckets and all(name in done for name, _ in buckets[0]):
@@ -336,6 +352,19 @@ def _buckets(groups: list[tuple[str, int]], bucket_numel: int) -> list[list[tupl
     return out + ([open_bucket] if open_bucket else [])
 
 
+def _working_and_activations(groups: list[GroupStats], stage: int, compute_bytes: int, settings: WorkingSettings,
+                             activations: Mapping[tuple[str, str], int]) -> int:
+    """The most bytes above the states at one point of the step, the activations included: at
+    stage 3 the replay's sum at each unit ([Note: activations by unit] in activations.py); at
+    stages 0-2, whose working set is not replayed, the two peaks added (an upper estimate)."""
+    if stage == 3:
+        replay = Stage3Replay(unit_sizes(groups), settings, compute_bytes, activations)
+        replay.forward()
+        replay.backward()
+        return replay.peak_with_activations
+    return _working_bytes(groups, stage, compute_bytes, settings) + max(activations.values(), default=0)
+
+
 def _working_bytes(groups: list[GroupStats], stage: int, compute_bytes: int,
                    settings: WorkingSettings = WorkingSettings()) -> int:
     """Transient device bytes during forward/backward (see [Note: memory formulas])."""
@@ -359,7 +388,8 @@ def _working_bytes(groups: list[GroupStats], stage: int, compute_bytes: int,
 
 def _estimate(model: nn.Module, world: int, gpus_per_node: int, stage: int, compute_bytes: int,
               threshold: int, wrap_modules: Sequence[str] | None, offload_optimizer: bool,
-              offload_param: bool, working: WorkingSettings, shard_size: int) -> StateEstimate:
+              offload_param: bool, working: WorkingSettings, shard_size: int,
+              activations: Mapping[tuple[str, str], int] | None = None) -> StateEstimate:
     groups = group_stats(model, shard_size, stage, threshold, wrap_modules)
     mem = _state_bytes(groups, stage, compute_bytes)
     device, host = sum(mem.values()), 0
@@ -371,8 +401,9 @@ def _estimate(model: nn.Module, world: int, gpus_per_node: int, stage: int, comp
         sharded = sum(g.shard_numel for g in groups if not g.persistent) * compute_bytes
         host += sharded
         device -= sharded
+    both = None if activations is None else _working_and_activations(groups, stage, compute_bytes, working, activations)
     return StateEstimate(stage, offload_optimizer, offload_param, world, gpus_per_node, device,
-                         _working_bytes(groups, stage, compute_bytes, working), host, mem, compute_bytes)
+                         _working_bytes(groups, stage, compute_bytes, working), host, mem, compute_bytes, both)
 
 
 def estimate_model_states(
@@ -385,6 +416,7 @@ def estimate_model_states(
     wrap_modules: Sequence[str] | None = None,
     working: WorkingSettings = WorkingSettings(),
     shard_group_size: int | None = None,
+    activations: Mapping[tuple[str, str], int] | None = None,
 ) -> list[StateEstimate]:
     """Per-rank device and host bytes for model states under each stage in ``stages``, without
     offload, with ``offload_optimizer=cpu`` (stages 1-3) and with both offloads (stage 3); see
@@ -392,7 +424,8 @@ def estimate_model_states(
     config dict, or a path / Hub name of a config (built on the meta device: nothing is allocated).
     ``working`` holds the bucket and reuse settings that size the transient working memory.
     ``shard_group_size``: ``mics_shard_size`` (hybrid sharding): states are sharded over groups of
-    that many ranks, not over the world.
+    that many ranks, not over the world. ``activations``: ``ActivationEstimate.by_unit``
+    (hf_zero/activations.py), which fills each row's ``working_and_activations``.
     """
     if num_gpus_per_node < 1 or num_nodes < 1:
         raise ValueError(f"num_gpus_per_node and num_nodes must be >= 1, got {num_gpus_per_node}, {num_nodes}")
@@ -408,7 +441,7 @@ def estimate_model_states(
         for offload_optimizer, offload_param in choices:
             estimates.append(_estimate(module, world, num_gpus_per_node, stage, compute_bytes,
                                        persistence_threshold, wrap_modules, offload_optimizer, offload_param,
-                                       working, shard_size))
+                                       working, shard_size, activations))
     return estimates
 
 
@@ -474,31 +507,71 @@ def text_table(rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
-def format_table(estimates: list[StateEstimate]) -> str:
+def deepspeed_zero3_estimate(model: nn.Module, num_gpus_per_node: int, num_nodes: int, offload_optimizer: bool,
+                             offload_param: bool, additional_buffer_factor: float = 1.5) -> tuple[int, int]:
+    """(device, host) bytes per rank that DeepSpeed's ``estimate_zero3_model_states_mem_needs_all_live``
+    prints for this offload choice (its ``zero_init=1`` rows): its formula restated from
+    deepspeed/runtime/zero/stage3.py, 4 bytes of the largest module's own parameters on the device
+    plus 18Ψ/N (2Ψ/N with the optimizer offloaded, nothing more with the parameters too), the host
+    its buffer factor over 18Ψ or 16Ψ per node. tests/unit/test_estimator.py checks it against
+    DeepSpeed's function. Each tied parameter counts once (by identity: DeepSpeed's ``data_ptr``
+    is 0 for every tensor of a meta-device model)."""
+    total = sum({id(p): p.numel() for p in model.parameters()}.values())
+    largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
+    gpus, largest_bytes = num_gpus_per_node * num_nodes, 4 * largest
+    if offload_param:
+        return largest_bytes, int(total * 18 / num_nodes * additional_buffer_factor)
+    if offload_optimizer:
+        return largest_bytes + int(2 * total / gpus), int(total * 16 / num_nodes * additional_buffer_factor)
+    return largest_bytes + int(18 * total / gpus), int(largest * 4 * num_gpus_per_node * additional_buffer_factor)
+
+
+def format_table(estimates: list[StateEstimate], model: nn.Module | None = None) -> str:
     """The estimates as a text table, one row per stage and offload choice, with the formula each
-    device figure follows and the ZeRO paper's figure beside it."""
-    header = ("stage", "offload_optimizer", "offload_param", "device/rank", "formula", "ZeRO paper",
-              "+working", "host/rank", "host/node")
-    rows = [header] + [
-        (str(e.stage), "cpu" if e.offload_optimizer else "none", "cpu" if e.offload_param else "none",
-         human_bytes(e.device_bytes), e.formula, e.paper_formula, human_bytes(e.working_bytes), human_bytes(e.host_bytes),
-         human_bytes(e.host_bytes_per_node))
-        for e in estimates
-    ]
-    return text_table(rows)
+    device figure follows, and under it the ZeRO paper's formulas; with ``model``, the device and
+    host figures DeepSpeed's ``estimate_zero3_model_states_mem_needs_all_live`` gives the stage-3 rows."""
+    header = ("stage", "offload_optimizer", "offload_param", "device/rank", "formula", "+working", "host/rank",
+              "host/node") + (("DeepSpeed's estimate: device, host/node",) if model is not None else ())
+    rows: list[tuple[str, ...]] = [header]
+    for e in estimates:
+        row = (str(e.stage), "cpu" if e.offload_optimizer else "none", "cpu" if e.offload_param else "none",
+               human_bytes(e.device_bytes), e.formula, human_bytes(e.working_bytes), human_bytes(e.host_bytes),
+               human_bytes(e.host_bytes_per_node))
+        if model is not None:
+            if e.stage == 3:
+                device, host = deepspeed_zero3_estimate(model, e.gpus_per_node, e.world_size // e.gpus_per_node,
+                                                        e.offload_optimizer, e.offload_param)
+                row += (f"{human_bytes(device)}, {human_bytes(host)}",)
+            else:
+                row += ("-",)
+        rows.append(row)
+    return text_table(rows) + "\n" + PAPER_FOOTNOTE
+
+
+PAPER_FOOTNOTE = ("formula: hf_zero's device bytes (Ψ parameters, N ranks), where the ZeRO paper has 16Ψ (stage 0), "
+                  "4Ψ + 12Ψ/N (1), 2Ψ + 14Ψ/N (2) and 16Ψ/N (3) for mixed-precision Adam; +working: the engine's "
+                  "gathered parameters and unreduced gradients during the forward and backward, no activations "
+                  "(--seq adds them)")
 
 
 def format_peak_table(estimates: list[StateEstimate], activation_peak: int) -> str:
-    """Per stage and offload choice, the device's peak per rank: the states, the engine's working
-    set and the step's activations (hf_zero/activations.py), added as if their peaks coincided."""
-    header = ("stage", "offload_optimizer", "offload_param", "states", "+working", "+activations", "peak/rank")
+    """Per stage and offload choice, the device's peak per rank: the states, plus the engine's
+    working set and the step's activations where their sum is largest (``working_and_activations``)."""
+    header = ("stage", "offload_optimizer", "offload_param", "states", "+working", "+activations",
+              "+both, at one point", "peak/rank")
     rows = [header] + [
         (str(e.stage), "cpu" if e.offload_optimizer else "none", "cpu" if e.offload_param else "none",
          human_bytes(e.device_bytes), human_bytes(e.working_bytes), human_bytes(activation_peak),
-         human_bytes(e.device_bytes + e.working_bytes + activation_peak))
+         human_bytes(_both(e, activation_peak)), human_bytes(e.device_bytes + _both(e, activation_peak)))
         for e in estimates
     ]
     return text_table(rows)
+
+
+def _both(estimate: StateEstimate, activation_peak: int) -> int:
+    if estimate.working_and_activations is None:
+        return estimate.working_bytes + activation_peak
+    return estimate.working_and_activations
 
 
 def describe(module: nn.Module, world_size: int, wrap_modules: Sequence[str] | None = None) -> str:

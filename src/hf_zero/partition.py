@@ -288,7 +288,6 @@ def plan_units(model: nn.Module, wrap_modules: Sequence[str] | None = None) -> U
         target.params.append((name, param))
     units = [u for u in units if u.params]
     units.append(root)
-    logger.info("hf_zero: %d units chosen by %s", len(units), rule)
     return UnitPlan(units, rule)
 
 

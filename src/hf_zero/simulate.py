@@ -142,6 +142,7 @@ def play_rank(spec: dict[str, Any], progress: Callable[[str], None] = lambda lin
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import hf_zero
+    from hf_zero.activations import enable_checkpointing
     from hf_zero.estimator import meta_model
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[spec["dtype"]]
@@ -151,6 +152,8 @@ def play_rank(spec: dict[str, Any], progress: Callable[[str], None] = lambda lin
         progress("[1/3] building the model with from_config under a live stage-3 config")
         start = time.perf_counter()
         model = skip_random_init(meta_model(spec["model"], dtype=dtype))
+        if spec.get("gradient_checkpointing"):
+            enable_checkpointing(model)
         build_s = time.perf_counter() - start
         progress(f"[2/3] hf_zero.initialize as rank {spec['rank']} of {spec['world']} "
                  f"(each module materialised alone, then sharded; built in {build_s:.1f} s)")
@@ -167,7 +170,8 @@ def play_rank(spec: dict[str, Any], progress: Callable[[str], None] = lambda lin
         step = measure_step(engine, ids)
         return {"rank": engine.rank, "world_size": engine.world_size, "model_class": type(model).__name__,
                 "build_s": build_s, "init_s": init_s, "init_peak": init_peak, "memory_at_init": at_init,
-                "layout": engine.layout(), **step}
+                "layout": engine.layout(), "seq": spec["seq"],
+                "gradient_checkpointing": bool(spec.get("gradient_checkpointing")), **step}
     finally:
         dist.destroy_process_group()
 

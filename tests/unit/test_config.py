@@ -483,8 +483,11 @@ def test_summary_and_log_summary(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="hf_zero"):
         resolved.log_summary(rank=1)
         assert not caplog.records
-        resolved.log_summary(rank=0)
-    assert len(caplog.records) == 1 and "precision policy" in caplog.records[0].getMessage()
+        resolved.log_summary(rank=0, run="world size 2 on cpu (gloo), 3 units")
+    assert len(caplog.records) == 1
+    line = caplog.records[0].getMessage()
+    assert line.startswith("hf_zero: ZeRO stage 3, world size 2 on cpu (gloo), 3 units; batch: train_batch_size=16")
+    assert "precision: compute dtype: torch.bfloat16, master weights dtype: torch.float32" in line
 
 
 def test_summary_of_unresolved_config_does_not_raise() -> None:

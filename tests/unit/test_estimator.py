@@ -140,8 +140,8 @@ def test_stage1_and_2_rows_and_the_table():
     assert [(r.stage, r.offload_optimizer) for r in rows] == [(1, False), (1, True), (2, False), (2, True)]
     assert all(r.world_size == 8 for r in rows)
     table = format_table(rows)
-    assert table.splitlines()[0].split(" | ")[0].strip() == "stage" and len(table.splitlines()) == 6
-    assert "host/node" in table
+    assert table.splitlines()[0].split(" | ")[0].strip() == "stage" and len(table.splitlines()) == 7
+    assert "host/node" in table and table.splitlines()[-1].startswith("formula: ")  # the footnote
 
 
 def test_a_config_dict_builds_on_meta_and_counts_the_same(tmp_path):
@@ -182,7 +182,7 @@ def test_each_row_names_its_formula_and_the_papers():
     padded_psi = 3 * 128 + 64
     assert psi == 3 * 110 + 33 and by[(3, False, False)].device_bytes == 18 * padded_psi // 4
     table = format_table(rows)
-    assert "ZeRO paper" in table.splitlines()[0] and "2Ψ + 16Ψ/N" in table
+    assert "2Ψ + 16Ψ/N" in table and "ZeRO paper has 16Ψ (stage 0), 4Ψ + 12Ψ/N (1)" in table.splitlines()[-1]
     fp32 = estimate_model_states(Toy(), num_gpus_per_node=4, dtype="fp32", stages=(0, 2), persistence_threshold=0)
     assert [r.formula for r in fp32 if not r.offload_optimizer] == ["16Ψ", "4Ψ + 12Ψ/N"]
 
@@ -219,3 +219,50 @@ def test_a_bucket_larger_than_the_next_is_finished_before_the_next_goes_out():
     # stayed in flight there too: 1616.
     assert _stage3_working_numel(LargeSmallLarge(), reduce_bucket_size=1, stage3_prefetch_bucket_size=0,
                                  stage3_max_reuse_distance=0) == 1104
+
+
+def test_working_set_and_activations_are_added_where_each_unit_runs():
+    """[Note: activations by unit]: the stage-3 replay adds each unit's activations to the working
+    set it holds while that unit runs. Without prefetch or keeps, layers.0's forward holds the root
+    (35 elements padded to 48 at N = 2) and itself (128): 176 fp32 elements."""
+    bare = WorkingSettings(stage3_prefetch_bucket_size=0, stage3_max_reuse_distance=0)
+
+    def row(activations):
+        return estimate_model_states(Toy(), num_gpus_per_node=2, dtype="fp32", stages=(3,), persistence_threshold=0,
+                                     working=bare, activations=activations)[0]
+
+    def only(unit, phase):
+        units = ("layers.0", "layers.1", "layers.2", "<root>")
+        return {**{(u, p): 0 for u in units for p in ("forward", "backward")}, (unit, phase): 10_000}
+
+    working = row(None).working_bytes
+    assert row({}).working_and_activations == working
+    assert row(only("layers.0", "forward")).working_and_activations == 176 * 4 + 10_000 < working + 10_000
+    # The same activations during layers.0's backward, the last unit's: it is gathered again (128),
+    # every gradient is still whole (the root's 48 and three layers' 128: one bucket of B holds them
+    # all, reduced once the last unit is done), and autograd's copy of its weight (100).
+    assert row(only("layers.0", "backward")).working_and_activations == (128 + 48 + 3 * 128 + 100) * 4 + 10_000
+    # A unit the activations do not name gets their largest figure: every unit, so the two peaks add.
+    assert row({("<root>", "forward"): 10_000}).working_and_activations == working + 10_000
+
+
+def test_deepspeeds_zero3_estimate_is_restated_exactly(monkeypatch):
+    """The column beside the stage-3 rows equals DeepSpeed's own function on the same model (a
+    GPT-2 with tied embeddings, counted once) for each offload choice and node layout."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # DeepSpeed's accelerator detection, quietly
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs, model_to_params
+
+    from hf_zero.estimator import deepspeed_zero3_estimate, human_bytes
+    from tests.tiny_models import tiny_gpt2
+
+    model = tiny_gpt2()
+    total, largest = model_to_params(model)  # real tensors: its data_ptr dedup works here
+    assert total == sum(p.numel() for p in model.parameters()) and model.lm_head.weight is model.transformer.wte.weight
+    for gpus, nodes in ((8, 1), (4, 2)):
+        for offload_optimizer, offload_param in ((False, False), (True, False), (True, True)):
+            cpu, gpu, _ = estimate_zero3_model_states_mem_needs(total, largest, gpus, nodes, offload_optimizer,
+                                                                offload_param, zero_init=True)
+            assert deepspeed_zero3_estimate(model, gpus, nodes, offload_optimizer, offload_param) == (gpu, cpu)
+    table = format_table(estimate_model_states(model, 4, 2, stages=(1, 3)), model)
+    gpu = estimate_zero3_model_states_mem_needs(total, largest, 4, 2, False, False, zero_init=True)[1]
+    assert f"| {human_bytes(gpu)}, " in table.splitlines()[4]  # the first stage-3 row

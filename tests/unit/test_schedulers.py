@@ -155,6 +155,14 @@ def test_warmup_decay_total_below_warmup_warns_and_floors() -> None:
     assert lr_at(sched, 10)[0] == 0.0  # max(0, (5 - 10) / max(1, 5 - 10))
 
 
+
+def test_warning_names_the_raised_warmup_of_one() -> None:
+    # A one-step run with warmup_num_steps 1: the warmup is 2 steps (DeepSpeed's minimum), and the
+    # warning says so instead of "1 is less than 1".
+    with pytest.warns(UserWarning, match=r"total_num_steps \(1\) is less than the warmup's 2 steps "
+                                         r"\(warmup_num_steps 1, raised to DeepSpeed's minimum of 2\)"):
+        WarmupCosineLR(make_optimizer(0.5), total_num_steps=1, warmup_num_steps=1, warmup_type="linear")
+
 # ----------------------------------------------------------------------------- WarmupCosineLR
 
 

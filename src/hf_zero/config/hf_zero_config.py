@@ -323,18 +323,18 @@ class HfZeroConfig:
         lines.append(json.dumps(self.to_dict(), indent=2, sort_keys=False))
         return "\n".join(lines)
 
-    def log_summary(self, rank: int) -> None:
-        """On rank 0 only: one INFO line (stage, batch, precision policy and a digest of the
-        resolved config, so that two runs' configs compare at a glance), and summary() in full,
-        some 35 lines, at DEBUG (``logging.getLogger("hf_zero").setLevel(logging.DEBUG)``)."""
+    def log_summary(self, rank: int, run: str = "") -> None:
+        """On rank 0 only: one INFO line (stage, ``run``, which says where and how it runs, batch,
+        precision policy and a digest of the resolved config, so that two runs' configs compare
+        at a glance), and summary() in full, some 35 lines, at DEBUG (``HF_ZERO_VERBOSITY=debug``)."""
         if rank != 0:
             return
         digest = hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
         policy = ", ".join(" ".join(line.split()) for line in self._policy_lines()
-                           if line.startswith(("compute", "reduce", "loss scaling", "unresolved")))
-        logger.info("hf_zero config %s: ZeRO stage %s, %s; precision policy: %s; resolved config sha256 %s "
-                    "(in full at DEBUG)", self._source, self._safe(lambda: self.stage), self._batch_line(),
-                    policy, digest)
+                           if line.startswith(("compute", "master", "reduce", "loss scaling", "unresolved")))
+        logger.info("hf_zero: ZeRO stage %s%s; %s; precision: %s; config %s, resolved sha256 %s (in full at DEBUG)",
+                    self._safe(lambda: self.stage), f", {run}" if run else "", self._batch_line(), policy,
+                    self._source, digest)
         logger.debug("%s", self.summary())
 
     def _batch_line(self) -> str:

@@ -8,6 +8,7 @@ import logging
 from typing import Any, Callable, Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
@@ -299,7 +300,6 @@ def initialize(
                            sequence_parallel.layout if sequence_parallel is not None else None)
     if _tiled_mlp_tokens(resolved):  # [Note: tiled MLP]
         install_tiled_mlp(tileable_mlps(model), _tiled_mlp_tokens(resolved))
-    resolved.log_summary(comm.global_rank)
     if comm.global_rank == 0:
         for warning in config_warnings(resolved.to_dict()):
             logger.warning("hf_zero config: %s", warning)
@@ -338,10 +338,10 @@ def initialize(
         raise
     if source_owner is not None:  # the weights are in the shards now; close the files
         source_owner.__dict__.pop(SOURCE_ATTRIBUTE, None)
-    if comm.global_rank == 0:
-        logger.info("hf_zero: %d units (%s), stage %d, world size %d%s",
-                    len(units), plan.rule, resolved.stage, comm.global_world_size,
-                    f" (shard groups of {comm.world_size}, {comm.replicas} replicas)" if comm.replicas > 1 else "")
+    replicas = f" in shard groups of {comm.world_size}, {comm.replicas} replicas" if comm.replicas > 1 else ""
+    resolved.log_summary(comm.global_rank, f"world size {comm.global_world_size}{replicas} on {device.type} "
+                                           f"({dist.get_backend() if dist.is_initialized() else 'no process group'}), "
+                                           f"{len(units)} units ({plan.rule})")
 
     # [Note: param groups keep their places]
     # The sharded optimizer has exactly the user's param groups, in the user's order, empty ones

@@ -166,9 +166,11 @@ def _apply_lrs(optimizer: Optimizer, lrs: list[float]) -> list[float]:
 def _warn_if_no_decay_window(total_num_steps: int, warmup_num_steps: int, effective_warmup: int) -> None:
     # DeepSpeed only warns here: a short debug run (max_steps below the warmup) must still start.
     if total_num_steps < effective_warmup:
+        warmup = (f"warmup_num_steps ({warmup_num_steps})" if warmup_num_steps == effective_warmup else
+                  f"the warmup's {effective_warmup} steps (warmup_num_steps {warmup_num_steps}, raised to "
+                  f"DeepSpeed's minimum of 2)")
         warnings.warn(
-            f"total_num_steps ({total_num_steps}) is less than warmup_num_steps ({warmup_num_steps}, "
-            f"used as {effective_warmup}): the run ends before the warmup does, and any step past the "
+            f"total_num_steps ({total_num_steps}) is less than {warmup}: the run ends before the warmup does, and any step past the "
             "warmup goes straight to the final learning rate. Lower warmup_num_steps or raise "
             "total_num_steps if this is not a deliberate short run.",
             UserWarning,
