@@ -251,6 +251,7 @@ class Stage3Replay:
         # (unit, phase) -> activation bytes while it runs: [Note: activations by unit] in activations.py;
         # a unit it does not name gets the largest figure
         self.activations = dict(activations or {})
+        self.activations_elsewhere = max(self.activations.values(), default=0)
         self.peak_with_activations = 0  # bytes: the working set and the activations at one point
         self.after: dict[str, int] = {self.root.name: 0}  # gathered elements after a unit, forward order
         for i, unit in enumerate(self.order):
@@ -265,9 +266,8 @@ class Stage3Replay:
     def note(self, unit: UnitSizes, phase: str, elements: int) -> None:
         """The working set of ``elements`` while ``unit`` runs its ``phase``."""
         self.peak = max(self.peak, elements)
-        fallback = max(self.activations.values(), default=0)
         self.peak_with_activations = max(self.peak_with_activations, elements * self.compute_bytes
-                                         + self.activations.get((unit.name, phase), fallback))
+                                         + self.activations.get((unit.name, phase), self.activations_elsewhere))
 
     def gather(self, unit: UnitSizes) -> None:
         if unit.gathered:
