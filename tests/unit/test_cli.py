@@ -17,7 +17,7 @@ import pytest
 from hf_zero.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[2]
-SUBCOMMANDS = ["demo", "doctor", "check-config", "export", "estimate", "launch"]
+SUBCOMMANDS = ["demo", "doctor", "check-config", "export", "import-deepspeed", "export-dcp", "import-dcp", "estimate", "launch"]
 
 
 def _subparsers() -> dict:
@@ -39,6 +39,9 @@ def test_every_help_exits_zero_and_describes_every_option(command):
                 assert option in out.stdout
             if action.required and action.help:  # a required option's default is never used: not shown
                 assert f"{' '.join(action.help.split())} (default:" not in " ".join(out.stdout.split())
+        text = " ".join(out.stdout.split())
+        assert not re.search(r"\(default: [^()]*\) \(default:", text), "an option with two defaults in a row"
+        assert "(default: None)" not in text and "(default: False)" not in text
 
 
 def test_demo_help_lists_the_demos_own_flags():
