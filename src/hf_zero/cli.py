@@ -630,13 +630,12 @@ def _launch(argv: list[str]) -> int:
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Defaults in the help, but not for a required option, whose default is never used, nor
-    where the help already says what leaving the option out does (``default: ...``), nor for a
-    flag (a ``store_true`` is off unless given)."""
+    """Defaults in the help, but not for a required option, whose default is never used, nor for
+    a default of None (the help says what leaving the option out does), nor for a flag (a
+    ``store_true`` is off unless given)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.required or action.default is None or "default" in (action.help or "") \
-                or isinstance(action, argparse._StoreTrueAction):
+        if action.required or action.default is None or isinstance(action, argparse._StoreTrueAction):
             return action.help
         return super()._get_help_string(action)
 

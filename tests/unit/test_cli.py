@@ -42,6 +42,8 @@ def test_every_help_exits_zero_and_describes_every_option(command):
         text = " ".join(out.stdout.split())
         assert not re.search(r"\(default: [^()]*\) \(default:", text), "an option with two defaults in a row"
         assert "(default: None)" not in text and "(default: False)" not in text
+    if command == ["estimate"]:
+        assert "(DeepSpeed's default) (default: 100000)" in " ".join(out.stdout.split())
 
 
 def test_demo_help_lists_the_demos_own_flags():
