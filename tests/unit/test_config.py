@@ -506,6 +506,9 @@ def test_no_effect_keys_are_logged_once(caplog: pytest.LogCaptureFixture, monkey
     lines = [r.getMessage() for r in caplog.records if "use_multi_rank_bucket_allreduce" in r.getMessage()]
     assert len(lines) == 1, lines
     assert HfZeroConfig(config).no_effect_keys() == {"zero_optimization.use_multi_rank_bucket_allreduce": "a speed hint; the math is unchanged"}
+    with caplog.at_level(logging.INFO, logger="hf_zero"):  # at DeepSpeed's default it asks for nothing: no line
+        HfZeroConfig({"zero_optimization": {"stage": 1, "contiguous_gradients": True}})
+    assert not [r for r in caplog.records if "contiguous_gradients" in r.getMessage()]
 
 
 def test_to_dict_round_trips() -> None:

@@ -47,3 +47,29 @@ def test_recipe_validates_and_resolves(path: Path) -> None:
 def test_the_trainer_examples_use_the_same_configs(stage: int) -> None:
     example = json.loads((RECIPES / "examples" / f"zero{stage}.json").read_text())
     assert example == json.loads((RECIPES / f"zero{stage}.json").read_text())
+
+
+def test_a_recipe_into_initialize_names_what_only_a_trainer_fills_and_the_call_that_does(monkeypatch) -> None:
+    """Without a Trainer, a recipe's launch values are one problem naming them all; its fix works as written."""
+    import torch
+
+    import hf_zero
+    from hf_zero.config import HfZeroConfigError
+    from tests.tiny_models import tiny_gpt2
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    path = str(RECIPES / "zero3_bf16.json")
+    model = tiny_gpt2()
+    with pytest.raises(HfZeroConfigError) as raised:
+        hf_zero.initialize(model=model, config=path, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    (problem,) = raised.value.problems
+    assert problem.path == "train_micro_batch_size_per_gpu, gradient_accumulation_steps, train_batch_size, gradient_clipping"
+    call = ("HfZeroConfig(path).resolve(hidden_size=model.config.hidden_size, world_size=torch.distributed"
+            ".get_world_size(), train_micro_batch_size_per_gpu=..., gradient_accumulation_steps=..., gradient_clipping=...)")
+    assert call in problem.fix
+    config = hf_zero.HfZeroConfig(path).resolve(hidden_size=model.config.hidden_size, world_size=1,
+                                               train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=1,
+                                               gradient_clipping=1.0)
+    engine, *_ = hf_zero.initialize(model=model, config=config, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    assert engine.train_batch_size() == 2

@@ -377,10 +377,13 @@ class HfZeroConfig:
 
     def _log_no_effect_once(self) -> None:
         # Per process, and only where torchrun's RANK is 0 (or unset), so N ranks do not repeat it.
+        # A key at DeepSpeed's default asks for nothing (every recipe writes contiguous_gradients:
+        # true): only a changed value is worth a line; summary() and check-config list them all.
         if os.environ.get("RANK", "0") != "0":
             return
+        changed = {path for path, spec, value in present_specs(self._dict) if value != spec.default}
         for path, reason in self.no_effect_keys().items():
-            if path not in _LOGGED_NO_EFFECT:
+            if path in changed and path not in _LOGGED_NO_EFFECT:
                 _LOGGED_NO_EFFECT.add(path)
                 logger.info("hf_zero config: %s is accepted but has no effect: %s", path, reason)
 

@@ -30,9 +30,10 @@ from .keys import (
 )
 from .kinds import BadValue, Opaque, Section, closest
 
-__all__ = ["AUTO", "as_json", "config_warnings", "validate", "get_path", "present_specs", "canonical_optimizer", "NOT_IMPLEMENTED_RULE"]
+__all__ = ["AUTO", "STILL_AUTO_RULE", "as_json", "config_warnings", "validate", "get_path", "present_specs", "canonical_optimizer", "NOT_IMPLEMENTED_RULE"]
 
 AUTO = "auto"
+STILL_AUTO_RULE = "is still 'auto' after resolve()"
 NOT_IMPLEMENTED_RULE = "accepted by DeepSpeed, not implemented in hf_zero yet"
 _ABSENT = object()
 
@@ -230,7 +231,7 @@ def _check_auto(spec: KeySpec, problems: ProblemList, allow_auto: bool) -> None:
             f"write a value{default}",
         )
     elif not allow_auto:
-        problems.add(spec.path, AUTO, "is still 'auto' after resolve()", auto_fix(spec))
+        problems.add(spec.path, AUTO, STILL_AUTO_RULE, auto_fix(spec))
 
 
 def auto_fix(spec: KeySpec) -> str:

@@ -14,7 +14,9 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from hf_zero.comm import Communicator, default_device, ensure_process_group, hf_zero_timeout_s
 from hf_zero.config import HfZeroConfig
-from hf_zero.config.validate import config_warnings
+from hf_zero.config.auto import fillable_paths
+from hf_zero.config.errors import ConfigProblem, HfZeroConfigError
+from hf_zero.config.validate import AUTO, STILL_AUTO_RULE, config_warnings
 from hf_zero.engine.sharding.deferred_load import disarm_materialisation, find_source, initialise_new_adapters
 from hf_zero.engine.sharding.buffer_pool import BufferPool
 from hf_zero.engine.engine import ZeroEngine
@@ -236,6 +238,40 @@ def _build_dataloader(
     )
 
 
+# What initialize passes to resolve(...) itself; every other "auto" comes from a Trainer's arguments.
+_FILLED_BY_INITIALIZE = ("hidden_size",)
+
+
+def _resolve(parsed: HfZeroConfig, world_size: int, model: nn.Module) -> HfZeroConfig:
+    """``parsed`` with the "auto" values the model and the world decide filled. The others (a
+    recipe's batch sizes, clipping, learning rates) are a Trainer's or Accelerate's to fill from
+    their arguments; here they are one problem naming them all and the call that fills them."""
+    try:
+        return parsed.resolve(world_size=world_size, hidden_size=hidden_size_of(model))
+    except HfZeroConfigError as error:
+        unfilled = [p for p in error.problems if p.rule == STILL_AUTO_RULE]
+        if not unfilled:
+            raise
+        sources = fillable_paths()
+        arguments = [sources.get(p.path, p.path) for p in unfilled]
+        if {"train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"} <= set(arguments):
+            arguments.remove("train_batch_size")  # the world size gives it from the other two
+            arguments.insert(0, "world_size=torch.distributed.get_world_size()")
+        if any(sources.get(path) == "hidden_size" for path in parsed.auto_keys()):
+            arguments.insert(0, "hidden_size=model.config.hidden_size")
+        example = ", ".join(a if "=" in a else f"{a}=..." for a in arguments)
+        grouped = ConfigProblem(
+            ", ".join(p.path for p in unfilled), AUTO,
+            f"{len(unfilled)} 'auto' value(s) that hf_zero.initialize cannot fill: a Trainer or Accelerate fills "
+            "them from its arguments; initialize fills only the keys the model's hidden_size decides "
+            "(reduce_bucket_size, stage3_prefetch_bucket_size, stage3_param_persistence_threshold) and, from the "
+            "world size, the third of the three batch sizes",
+            f"write numbers for them in the config, or pass config=hf_zero.HfZeroConfig(path).resolve({example})",
+        )
+        others = [p for p in error.problems if p.rule != STILL_AUTO_RULE]
+        raise HfZeroConfigError([*others, grouped], error.source) from None
+
+
 def initialize(
     model: nn.Module | None = None,
     config: HfZeroConfig | dict | str | None = None,
@@ -267,7 +303,7 @@ def initialize(
     optimizer_kind = OptimizerKind.ELEMENTWISE
     if local_error is None:  # until agree(): nothing that another rank could wait on
         try:
-            resolved = parsed.resolve(world_size=comm.world_size, hidden_size=hidden_size_of(model))
+            resolved = _resolve(parsed, comm.world_size, model)
             if not _inference_only:
                 _check_optimizer_given(model, optimizer, resolved)
             if isinstance(optimizer, torch.optim.Optimizer):  # before any sharding: [Note: element-wise optimizers]
