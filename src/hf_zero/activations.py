@@ -75,6 +75,9 @@ class ActivationEstimate:
     peak: int  # over the forward and the backward
     per_layer_after_forward: int
     per_layer_peak: int
+    # The most the output head and the loss add above what was live when the head began: the
+    # logits, the loss's fp32 copy and what it keeps for the backward (with tiling, one tile's).
+    logits_and_loss: int = 0
     # (unit name, "forward" or "backward") -> the most bytes live while that unit ran: [Note: activations by unit]
     by_unit: dict[tuple[str, str], int] = field(default_factory=dict)
 
@@ -92,6 +95,11 @@ class _LiveStorages(TorchDispatchMode):
         self.live = 0
         self.peak = 0
         self.segment_peak = 0  # since the last unit boundary: [Note: activations by unit]
+        self.mark_peak = 0  # since mark()
+        self.marked = 0  # live at mark()
+
+    def mark(self) -> None:
+        self.marked = self.mark_peak = self.live
 
     def _release(self, key: int) -> None:
         self.holders[key] -= 1
@@ -113,6 +121,7 @@ class _LiveStorages(TorchDispatchMode):
                 self.live += self.sizes[key]
                 self.peak = max(self.peak, self.live)
                 self.segment_peak = max(self.segment_peak, self.live)
+                self.mark_peak = max(self.mark_peak, self.live)
             self.holders[key] += 1
             weakref.finalize(tensor, self._release, key)
         return out
@@ -169,7 +178,7 @@ class _UnitSegments:
         module.register_forward_hook(after_forward)
 
 
-def _trace(config: Any, layers: int, settings: ActivationSettings) -> tuple[int, int, _UnitSegments]:
+def _trace(config: Any, layers: int, settings: ActivationSettings) -> tuple[int, int, _UnitSegments, int]:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoModelForCausalLM
 
@@ -194,16 +203,20 @@ def _trace(config: Any, layers: int, settings: ActivationSettings) -> tuple[int,
         for spec in plan_units(model).units:
             if spec.name != ROOT_UNIT_NAME:
                 segments.watch(spec.name, spec.module)
+        head = model.get_output_embeddings()
+        if head is not None:  # from the head's start to the forward's end: the logits and the loss
+            head.register_forward_pre_hook(lambda *_: None if counter.backward else counter.mark())
         ids = torch.zeros(settings.micro_batch, settings.local_seq, dtype=torch.long)
         with counter:
             loss = model(input_ids=ids, labels=ids).loss
             after_forward = counter.live
+            logits_and_loss = counter.mark_peak - counter.marked if head is not None else 0
             segments.enter((ROOT_UNIT_NAME, "forward"))
             counter.backward = True
             segments.enter((ROOT_UNIT_NAME, "backward"))
             loss.backward()
             segments.enter((ROOT_UNIT_NAME, "backward"))
-    return after_forward, counter.peak, segments
+    return after_forward, counter.peak, segments, logits_and_loss
 
 
 def enable_checkpointing(model: nn.Module) -> None:
@@ -241,13 +254,14 @@ def estimate_activations(config: Any, settings: ActivationSettings) -> Activatio
     ``PretrainedConfig``) under ``settings`` ([Note: traced activations])."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     layers = int(getattr(text, "num_hidden_layers", 1) or 1)
-    forward_1, peak_1, one = _trace(config, 1, settings)
-    forward_2, peak_2, two = _trace(config, 2, settings)
+    forward_1, peak_1, one, logits_and_loss = _trace(config, 1, settings)
+    forward_2, peak_2, two, _ = _trace(config, 2, settings)
     per_forward, per_peak = max(0, forward_2 - forward_1), max(0, peak_2 - peak_1)
     return ActivationEstimate(settings=settings, layers=layers,
                               after_forward=forward_1 + (layers - 1) * per_forward,
                               peak=peak_1 + (layers - 1) * per_peak,
                               per_layer_after_forward=per_forward, per_layer_peak=per_peak,
+                              logits_and_loss=logits_and_loss,
                               by_unit=_by_unit(one, two, layers, per_forward)
                               or {(ROOT_UNIT_NAME, "forward"): peak_1 + (layers - 1) * per_peak})
 

@@ -345,10 +345,16 @@ def _print_activations(args: argparse.Namespace, found: Any, estimates: list[Any
     choices += ["gradient checkpointing"] if args.gradient_checkpointing else []
     choices += [f"tiled_loss_tokens {args.tiled_loss_tokens}"] if args.tiled_loss_tokens else []
     choices += [f"tiled_mlp_tokens {args.tiled_mlp_tokens}"] if args.tiled_mlp_tokens else []
-    print(f"\nactivations per rank ({', '.join(choices)}), traced on fake tensors: "
-          f"{human_bytes(found.after_forward)} kept after the forward (the logits included), "
-          f"{human_bytes(found.peak)} at the peak of the forward and backward "
-          f"({human_bytes(found.per_layer_after_forward)} kept per layer, {found.layers} layers)")
+    print(f"\nactivations per rank ({', '.join(choices)}), traced on fake tensors:")
+    rows = [("kept after the forward", found.after_forward,
+             f"{human_bytes(found.per_layer_after_forward)} per layer x {found.layers}, and the logits"),
+            ("logits and loss", found.logits_and_loss,
+             "the head's output, the loss's fp32 copy and what it keeps, above what was live at the head"),
+            ("peak of forward and backward", found.peak, "the +activations column below")]
+    for name, value, meaning in rows:
+        shown = human_bytes(value)
+        shown += "" if shown.endswith("GiB") else f" ({value / 2**30:.2f} GiB)"
+        print(f"  {name:<29} {shown:>24}  {meaning}")
     print("peak per rank: the states, plus the working set and the activations where their sum is largest "
           "(stage 3: at each unit of the replayed step; stages 0-2: the two peaks added, an upper estimate):")
     print(format_peak_table(estimates, found.peak))

@@ -86,6 +86,12 @@ def test_each_setting_changes_the_activations_by_its_arithmetic() -> None:
     assert plain.per_layer_after_forward - tiled_mlp.per_layer_after_forward >= intermediates
     tiled_loss = estimate_activations(config, ActivationSettings(seq_len=seq, dtype="fp32", tiled_loss_tokens=512))
     assert plain.peak - tiled_loss.peak >= 2 * logits  # the logits, their log-softmax and its gradient
+    # the head and the loss: the logits and the log-softmax the loss keeps (the fp32 logits are the
+    # model's own in fp32; in bf16 the loss adds an fp32 copy), one tile of them when tiled
+    per_logit = seq * LLAMA["vocab_size"]
+    assert plain.logits_and_loss == pytest.approx(8 * per_logit, rel=1e-3)
+    assert bf16.logits_and_loss == pytest.approx(10 * per_logit, rel=1e-3)
+    assert tiled_loss.logits_and_loss == pytest.approx(8 * 512 * LLAMA["vocab_size"], rel=1e-3)
 
 
 def test_estimate_with_a_sequence_prints_the_activations_and_the_peak(tmp_path, capsys) -> None:
@@ -101,7 +107,10 @@ def test_estimate_with_a_sequence_prints_the_activations_and_the_peak(tmp_path, 
     traced = estimate_activations(_config(), ActivationSettings(seq_len=2048, dtype="fp32", sequence_parallel_size=2,
                                                                 gradient_checkpointing=True))
     assert "sequence_parallel_size 2 (1024 tokens a rank)" in out and "gradient checkpointing" in out
-    assert f"{human_bytes(traced.peak)} at the peak" in out
+    rows = {line[2:31].strip(): line[31:] for line in out.splitlines() if line.startswith("  ")}
+    assert human_bytes(traced.peak) in rows["peak of forward and backward"]
+    assert human_bytes(traced.logits_and_loss) in rows["logits and loss"]
+    assert human_bytes(traced.after_forward) in rows["kept after the forward"]
     peak_rows = out[out.index("peak/rank"):].splitlines()[2:]
     assert len(peak_rows) == 3 and all(human_bytes(traced.peak) in row for row in peak_rows)
     assert main([*args, "--seq", "2048", "--sequence-parallel-size", "3"]) == 2
