@@ -288,13 +288,16 @@ def _estimate(args: argparse.Namespace, rest: list[str]) -> int:
         found = _trace_activations(args, model, world)
         if isinstance(found, int):
             return found
-    estimates = estimate_model_states(
-        model, args.gpus_per_node, args.nodes, dtype=args.dtype, stages=args.stages,
-        persistence_threshold=args.persistence_threshold,
-        working=WorkingSettings(args.reduce_bucket_size, args.max_reuse_distance, args.max_live_parameters,
-                                args.prefetch_bucket_size), shard_group_size=args.shard_group_size,
-        activations=None if found is None else found.by_unit,
-    )
+    def states(stages: Any) -> list[Any]:
+        return estimate_model_states(
+            model, args.gpus_per_node, args.nodes, dtype=args.dtype, stages=stages,
+            persistence_threshold=args.persistence_threshold,
+            working=WorkingSettings(args.reduce_bucket_size, args.max_reuse_distance, args.max_live_parameters,
+                                    args.prefetch_bucket_size), shard_group_size=args.shard_group_size,
+            activations=None if found is None else found.by_unit,
+        )
+
+    estimates = states(args.stages)
     print(describe(model, world))
     if args.shard_group_size is not None:
         print(f"hybrid sharding: states sharded over groups of {args.shard_group_size} ranks, "
@@ -307,13 +310,8 @@ def _estimate(args: argparse.Namespace, rest: list[str]) -> int:
         print("will it fit: add --seq (and --micro-batch, --gradient-checkpointing) for the activations and the peak per rank")
     if not args.simulate:
         return 0
-    row = estimate_model_states(model, args.gpus_per_node, args.nodes, dtype=args.dtype, stages=(3,),
-                                persistence_threshold=args.persistence_threshold,
-                                working=WorkingSettings(args.reduce_bucket_size, args.max_reuse_distance,
-                                                        args.max_live_parameters, args.prefetch_bucket_size),
-                                shard_group_size=args.shard_group_size,
-                                activations=None if found is None else found.by_unit)[0]
-    return _simulate(args, model, row)
+    stage3 = [e for e in estimates if (e.stage, e.offload_optimizer, e.offload_param) == (3, False, False)]
+    return _simulate(args, model, stage3[0] if stage3 else states((3,))[0])
 
 
 def _trace_activations(args: argparse.Namespace, model: Any, world: int) -> Any:

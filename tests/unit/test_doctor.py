@@ -84,5 +84,5 @@ def test_only_a_run_with_nothing_skipped_is_a_pass(tmp_path: Path, body: str, pa
 
 
 def test_readme_gpu_section_points_to_the_doctor() -> None:
-    gpu = (REPO / "README.md").read_text().split("- **GPU:**", 1)[1].split("\n- **", 1)[0]
+    gpu = (REPO / "README.md").read_text().split("- **Two or more GPUs**", 1)[1].split("\n- **", 1)[0]
     assert "hf-zero doctor" in gpu
