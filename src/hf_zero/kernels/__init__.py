@@ -7,7 +7,8 @@ fallback) <- ``cpu`` (torch fused CPU Adam) <- ``triton_*`` (kernel + launcher p
 - ``"triton"``: CUDA tensors;
 - ``"triton-interpret"``: CPU tensors when ``TRITON_INTERPRET=1`` was set before this package was
   first imported (see [Note: interpreter mode] in ``dispatch``);
-- ``"torch-fused-cpu"``: Adam on CPU tensors (``torch._fused_adamw_`` / ``torch._fused_adam_``);
+- ``"torch-fused-cpu"``: Adam on CPU tensors (``torch._fused_adamw_`` / ``torch._fused_adam_``, or
+  ``cpu_one_pass``'s compiled kernel where a 16-bit gradient or copy would take extra passes);
 - ``"reference"``: everything else: pack, unpack and norm on CPU, and every op on a GPU when
   triton cannot be imported.
 """

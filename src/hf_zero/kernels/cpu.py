@@ -14,6 +14,8 @@ scratch buffer, stepped, and the fresh master chunk is cast to ``out`` while bot
 cache. Measured on a 2-core EPYC with 16M parameters, bf16 grad with unscale, clip and a bf16
 out: 19 ms chunked vs 27 ms as whole-shard passes (fused Adam alone, fp32 grad: 11 ms). What is
 left is mostly the fp32 -> bf16 conversion itself (~4 ms), which is compute-bound on this CPU.
+Large offloaded shards take one pass instead where it can be compiled ([Note: one pass on the
+host] in kernels/cpu_one_pass.py); this path is the fallback and the small shards'.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Sequence
 import torch
 
 from hf_zero.execution.host_sync import host_code
+from hf_zero.kernels import cpu_one_pass
 
 # 2 MiB of fp32 per chunk: the scratch gradient, master and out chunks stay within a 32 MiB L3.
 CPU_CHUNK_NUMEL = 1 << 19
@@ -84,9 +87,13 @@ def fused_adam_cpu_(
     if not needs_scratch and out is None:
         fused([master], [grad], [exp_avg], [exp_avg_sq], [], state_steps, **hparams)
         return
+    out_flat = out.view(-1) if out is not None else None
+    if cpu_one_pass.wants_one_pass(numel) and cpu_one_pass.adam_one_pass_(
+            master, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+            step=step, adamw=adamw, grad_scale=grad_scale, clip_coef=clip_coef, out=out_flat):
+        return  # [Note: one pass on the host] in kernels/cpu_one_pass.py
     # See [Note: CPU chunking].
     scratch = torch.empty(min(numel, CPU_CHUNK_NUMEL) if needs_scratch else 0, dtype=torch.float32)
-    out_flat = out.view(-1) if out is not None else None
     for start in range(0, numel, CPU_CHUNK_NUMEL):
         stop = min(numel, start + CPU_CHUNK_NUMEL)
         g = _fp32_grad_chunk(grad[start:stop], scratch[: stop - start], grad_scale, clip_coef)
