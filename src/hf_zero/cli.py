@@ -699,6 +699,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# [Note: one line per expected failure]
+# What a command's input or its machine can make go wrong (a file it cannot read, a full disk, a
+# state it cannot convert, input nested past Python's recursion limit, input too large for memory)
+# ends the command with one line on stderr naming the command and the cause, and exit status 1;
+# an output folder the command created and left empty is removed. Any other exception is a bug
+# in hf_zero and keeps its traceback.
+_EXPECTED_FAILURES = (OSError, ValueError, RuntimeError, NotImplementedError, RecursionError, MemoryError)
+_WHY = {RecursionError: "the input is nested too deeply to read", MemoryError: "the input is too large to read"}
+
+
+def _ours(error: BaseException) -> bool:
+    return type(error).__module__.startswith("hf_zero")
+
+
+def _failure_line(command: str, error: BaseException) -> str:
+    reason = _WHY.get(type(error)) or " ".join(str(error).split()) or type(error).__name__
+    kind = "" if _ours(error) else f"{type(error).__name__}: "
+    return f"hf-zero {command}: {kind}{reason}"[:2000]
+
+
+def _new_output_folder(args: argparse.Namespace) -> str | None:
+    out = getattr(args, "out_dir", None)
+    return None if out is None or os.path.lexists(out) else os.path.abspath(out)
+
+
+def _remove_if_empty(folder: str | None) -> None:
+    if folder is not None and os.path.isdir(folder) and not os.path.islink(folder) and not os.listdir(folder):
+        os.rmdir(folder)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["launch"] and argv[1:] not in (["--help"], ["-h"]):
@@ -706,7 +736,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = argv[1:]
-    return args.func(args, [])
+    new_folder = _new_output_folder(args)
+    try:
+        code = args.func(args, [])
+    except _EXPECTED_FAILURES as error:  # [Note: one line per expected failure]
+        if isinstance(error, RuntimeError) and not isinstance(error, (NotImplementedError, RecursionError)) \
+                and not _ours(error):
+            raise  # torch's or another library's RuntimeError: a bug to see whole
+        print(_failure_line(argv[0], error), file=sys.stderr)
+        code = 1
+    if code:
+        _remove_if_empty(new_folder)
+    return code
 
 
 if __name__ == "__main__":

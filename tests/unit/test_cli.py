@@ -157,3 +157,62 @@ def test_check_config_leaves_model_loading_alone() -> None:
     finally:
         live._listeners.pop()
     assert not made_live, "check-config made its stage-3 config the live one (which hooks from_pretrained)"
+
+
+@pytest.mark.parametrize("error,words", [
+    (PermissionError(13, "Permission denied"), "PermissionError: [Errno 13] Permission denied"),
+    (OSError(28, "No space left on device"), "OSError: [Errno 28] No space left on device"),
+    (NotImplementedError("AMSGrad state cannot be converted"), "NotImplementedError: AMSGrad state cannot be converted"),
+    (RecursionError("maximum recursion depth exceeded"), "RecursionError: the input is nested too deeply to read"),
+    (MemoryError(), "MemoryError: the input is too large to read"),
+], ids=["permission", "disk-full", "not-implemented", "recursion", "memory"])
+def test_an_expected_failure_is_one_line_and_its_empty_output_folder_goes(error, words, tmp_path, capsys,
+                                                                           monkeypatch) -> None:
+    """[Note: one line per expected failure]: exit 1, one line naming the command, no traceback,
+    and the output folder the command made removed when it stayed empty; a folder that was there stays."""
+    from hf_zero import cli
+
+    def failing(args, rest):  # noqa: ANN001, ANN202 - the command as it fails midway
+        os.makedirs(args.out_dir, exist_ok=True)
+        raise error
+
+    monkeypatch.setattr(cli, "_import_deepspeed", failing)
+    out = tmp_path / "converted"
+    assert cli.main(["import-deepspeed", str(tmp_path), str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err == f"hf-zero import-deepspeed: {words}\n"
+    assert not out.exists()
+    out.mkdir()
+    assert cli.main(["import-deepspeed", str(tmp_path), str(out)]) == 1
+    assert out.is_dir()  # the user's own folder is left as it was
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch) -> None:
+    from hf_zero import cli
+
+    def failing(args, rest):  # noqa: ANN001, ANN202
+        raise RuntimeError("an internal error")  # not ours, not an input's: shown whole
+
+    monkeypatch.setattr(cli, "_import_deepspeed", failing)
+    with pytest.raises(RuntimeError, match="an internal error"):
+        cli.main(["import-deepspeed", "a", "b"])
+
+
+def test_an_unreadable_latest_is_a_checkpoint_error(tmp_path, monkeypatch) -> None:
+    """As root a chmod 000 file stays readable, so the refusal of the read is injected at open."""
+    import builtins
+
+    from hf_zero.checkpoint import CheckpointError
+    from hf_zero.checkpoint.manifest import read_latest
+
+    (tmp_path / "latest").write_text("global_step1")
+    real_open = builtins.open
+
+    def refusing(path, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if str(path).endswith("latest"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", refusing)
+    with pytest.raises(CheckpointError, match="latest: cannot be read \\(Permission denied\\); make it readable"):
+        read_latest(str(tmp_path), str(tmp_path))

@@ -300,3 +300,57 @@ def test_check_config_shows_the_stage3_warning(tmp_path: Path, capsys: pytest.Ca
     assert main(["check-config", str(path)]) == 0
     said = capsys.readouterr().err
     assert "warning: zero_optimization.stage3_param_persistence_threshold = 0 has no effect at ZeRO stage 1" in said
+
+
+# Issue 46: files that are not configs, and bounds on the work before any rule is checked.
+
+def _one_refusal(config: Any) -> str:
+    error = _refused(config)
+    assert len(error.problems) == 1, error
+    return str(error)
+
+
+def test_an_empty_file_is_an_error_not_a_valid_config(tmp_path: Path) -> None:
+    for text in ("", "  \n\t\n"):
+        (tmp_path / "empty.json").write_text(text)
+        assert "is empty" in _one_refusal(str(tmp_path / "empty.json"))
+    (tmp_path / "empty.json").write_text("{}")
+    assert HfZeroConfig(str(tmp_path / "empty.json")).to_dict() == {}  # DeepSpeed's defaults, said so
+
+
+def test_a_fifo_or_a_device_is_refused_without_reading_it(tmp_path: Path) -> None:
+    import os
+    import time
+
+    fifo = tmp_path / "config.json"
+    os.mkfifo(fifo)  # no writer: an open that waits for one never returns
+    started = time.monotonic()
+    assert "is not a regular file" in _one_refusal(str(fifo))
+    assert "is not a regular file" in _one_refusal("/dev/zero")  # read whole, it would fill the memory
+    assert time.monotonic() - started < 5
+
+
+def test_a_file_past_the_size_bound_is_refused_unread(tmp_path: Path) -> None:
+    from hf_zero.config.loading import MAX_CONFIG_BYTES
+
+    big = tmp_path / "big.json"
+    big.write_text('{"train_batch_size": 8, "pad": "' + "x" * MAX_CONFIG_BYTES + '"}')
+    assert f"larger than {MAX_CONFIG_BYTES >> 20} MiB" in _one_refusal(str(big))
+
+
+def test_too_many_keys_is_one_error_before_any_suggestion_search() -> None:
+    import time
+
+    from hf_zero.config.loading import MAX_KEYS
+
+    started = time.monotonic()
+    message = _one_refusal({f"unknown_key_{i}": i for i in range(300_000)})
+    assert f"more than {MAX_KEYS}" in message and time.monotonic() - started < 10
+    HfZeroConfig({"zero_optimization": {"stage": 2}, "tensor_parallel": {f"k{i}": 1 for i in range(MAX_KEYS - 3)}})
+
+
+def test_a_shard_group_larger_than_the_world_is_an_error() -> None:
+    config = HfZeroConfig({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, "mics_shard_size": 4}})
+    with pytest.raises(HfZeroConfigError, match="mics_shard_size = 4: is larger than the world size 1"):
+        config.resolve(world_size=1)
+    assert config.resolve(world_size=8).zero.mics_shard_size == 4

@@ -361,8 +361,12 @@ def read_latest(load_dir: str, root: str) -> str | None:
     latest = os.path.join(load_dir, LATEST_NAME)
     if not os.path.isfile(resolve_inside(root, LATEST_NAME, latest)):
         return None
-    with open(latest, "rb") as handle:
-        raw = handle.read(_LATEST_BYTES + 1)
+    try:
+        with open(latest, "rb") as handle:
+            raw = handle.read(_LATEST_BYTES + 1)
+    except OSError as error:  # unreadable (permissions, an I/O error): a refusal like any other
+        raise CheckpointError(f"{latest}: cannot be read ({error.strerror or error}); make it readable, or pass "
+                              f"tag=... ({_tags_note(load_dir)})") from error
     try:
         tag = raw.decode("utf-8").strip()
     except UnicodeDecodeError:

@@ -159,6 +159,18 @@ def _resolve_batch(root: dict[str, Any], world_size: int | None, values: dict[st
     return batch
 
 
+def _shard_group_larger_than_world(root: dict[str, Any], world_size: int | None) -> ConfigProblem | None:
+    """``mics_shard_size`` above the world size: groups that cannot be made (at world size 1 the
+    engine would otherwise shard over the one rank there is, silently)."""
+    zero = root.get("zero_optimization")
+    size = zero.get("mics_shard_size", -1) if isinstance(zero, dict) else -1
+    if world_size is None or not isinstance(size, int) or isinstance(size, bool) or size <= world_size:
+        return None
+    return ConfigProblem("zero_optimization.mics_shard_size", size, f"is larger than the world size {world_size}",
+                         f"launch at least {size} processes (a multiple of it), or set mics_shard_size to a divisor "
+                         f"of {world_size}, or remove it to shard over all ranks")
+
+
 def _data_parallel_world(root: dict[str, Any], world_size: int | None) -> tuple[int | None, ConfigProblem | None]:
     """The world the batch sizes count: the data-parallel ranks, world / sequence_parallel_size
     ([Note: sequence-parallel layout]: the ranks of a group share their samples)."""
@@ -200,6 +212,9 @@ def resolve_dict(
     if check_mismatches:
         problems += _mismatches(resolved, values)
     filled = _fill_autos(resolved, hidden_size, values)
+    problem = _shard_group_larger_than_world(resolved, world_size)
+    if problem is not None:
+        problems.append(problem)
     world_size, problem = _data_parallel_world(resolved, world_size)
     if problem is not None:
         problems.append(problem)

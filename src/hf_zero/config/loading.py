@@ -17,19 +17,24 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from .errors import MISSING, ProblemList, one_line
 
-__all__ = ["MAX_DEPTH", "load_config"]
+__all__ = ["MAX_CONFIG_BYTES", "MAX_DEPTH", "MAX_KEYS", "load_config"]
 
 # DeepSpeed's deepest config is 3 levels (zero_optimization.offload_param.device); the opaque
 # sections hf_zero passes through (compression_training, ...) reach about 6. 64 is far above any
 # real config and far below Python's recursion limit (1000), which every later walk relies on.
 # The checkpoint manifest has the same bound.
 MAX_DEPTH = 64
+# Bounds on the work a hostile file can cause before any rule is checked: DeepSpeed's configs are
+# a few KB and under 200 keys; every key past the known ones costs a suggestion search.
+MAX_CONFIG_BYTES = 1 << 20
+MAX_KEYS = 10_000
 _TOO_DEEP = f"nests more than {MAX_DEPTH} levels deep (no DeepSpeed config goes beyond a few)"
 _TOO_DEEP_FIX = "flatten it: a config is a few levels of objects; check the file was not generated wrongly"
 
@@ -91,6 +96,19 @@ def _too_deep(value: Any) -> str | None:
     return None
 
 
+def _key_count(value: Any) -> int:
+    """Keys in every object of a tree already bounded in depth (iterative, as _too_deep)."""
+    count, stack = 0, [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, Mapping):
+            count += len(node)
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
+    return count
+
+
 def _parse(text: str, source: str, problems: ProblemList) -> Any:
     try:
         try:
@@ -125,14 +143,25 @@ def _parse_hjson(text: str, source: str, json_error: json.JSONDecodeError, probl
 
 def _read(path: Path, problems: ProblemList) -> Any:
     try:
-        data = path.read_bytes()
+        # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer, forever.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(fd, "rb") as handle:
+            if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+                problems.add(str(path), MISSING, "is not a regular file (a directory, a FIFO or a device)",
+                             "pass the path of a JSON file")
+                return None
+            data = handle.read(MAX_CONFIG_BYTES + 1)
     except FileNotFoundError:
         fix = "check the path (relative paths start at the working directory)"
         problems.add(str(path), MISSING, "config file not found", fix)
         return None
     except OSError as err:
-        rule = f"config file cannot be read: {err.strerror}"
+        rule = f"config file cannot be read: {err.strerror or err}"
         problems.add(str(path), MISSING, rule, "check the path and its permissions")
+        return None
+    if len(data) > MAX_CONFIG_BYTES:
+        problems.add(str(path), MISSING, f"is larger than {MAX_CONFIG_BYTES >> 20} MiB (a DeepSpeed config is a few KB)",
+                     "pass the config file itself; check the file was not generated wrongly")
         return None
     try:
         text = data.decode("utf-8")
@@ -140,6 +169,9 @@ def _read(path: Path, problems: ProblemList) -> Any:
         line = data.count(b"\n", 0, err.start) + 1
         rule = f"is not UTF-8 text: byte 0x{data[err.start]:02x} at byte offset {err.start} (line {line})"
         problems.add(str(path), MISSING, rule, "save the file as UTF-8 (JSON files are UTF-8)")
+        return None
+    if not text.strip():
+        problems.add(str(path), MISSING, "is empty", "write the settings as a JSON object ({} for DeepSpeed's defaults)")
         return None
     return _parse(text, str(path), problems)
 
@@ -169,5 +201,10 @@ def load_config(config: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[dic
     deep = _too_deep(parsed)
     if deep is not None:  # before _to_plain, which recurses
         problems.add(deep, MISSING, _TOO_DEEP, _TOO_DEEP_FIX)
+        return {}, source, problems
+    keys = _key_count(parsed)
+    if keys > MAX_KEYS:
+        problems.add(source, MISSING, f"has {keys} keys, more than {MAX_KEYS} (a DeepSpeed config has a few dozen)",
+                     "pass the config itself; check it was not generated wrongly")
         return {}, source, problems
     return _to_plain(parsed, "", problems), source, problems
