@@ -7,8 +7,8 @@ step converts the gradient into a scratch chunk, steps, and casts the master out
 ([Note: CPU chunking] in kernels/cpu.py): three passes over each chunk, through cache. The
 kernel here reads the gradient, master and moments once and writes master, moments and the
 copy once, 28 bytes per parameter with a bf16 gradient and copy: on a 2-core EPYC, 16M
-parameters, 26.7 ms at one thread and 17.2 ms at two, against 48.5 and 28.8 ms chunked and
-DeepSpeedCPUAdam's 33.0 and 16.8 ms with an fp32 gradient and no copy
+parameters, 30.3 ms at one thread and 16.4 ms at two, against 56.2 and 33.7 ms chunked and
+DeepSpeedCPUAdam's 29.8 and 17.4 ms with an fp32 gradient and no copy
 (benchmarks/bench_host_adam.py, docs/benchmarks.md "The host's Adam").
 
 It is generated and compiled by ``torch.compile`` (inductor's C++ backend: a C++ compiler on
