@@ -7,12 +7,14 @@ A comparison is a ratio of two measurements taken in the same run, never across 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
 import statistics
 import time
 from collections.abc import Callable
+from collections.abc import Iterator
 from collections.abc import Mapping
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,6 +22,7 @@ from datetime import datetime
 from datetime import timezone
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -160,3 +163,34 @@ def parse_count(text: str) -> int:
     if count < 1:
         raise ValueError(f"a count must be >= 1, found {text!r}")
     return count
+
+
+def host_kernel_args(doc: str, jsonl_name: str, argv: list[str] | None,
+                     repeats: int) -> tuple[argparse.Namespace, dict[str, object]]:
+    """The arguments of a host-kernel benchmark (sizes, threads, repeats, warm-up, results file)
+    and the context every row records."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="16M,64M", help="comma-separated element counts (1M = 2**20)")
+    parser.add_argument("--threads", default=f"1,{len(os.sched_getaffinity(0))}", help="torch thread counts")
+    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--jsonl", type=Path, default=Path(__file__).parent / "results" / jsonl_name)
+    args = parser.parse_args(argv)
+    context = {"device": device_info(torch.device("cpu")), **environment(),
+               "config": {**vars(args), "jsonl": str(args.jsonl)}}
+    return args, context
+
+
+def timed_by_threads_and_size(args: argparse.Namespace,
+                              contenders: Callable[[int], Mapping[str, tuple[object, Callable[[], object]]]],
+                              device: torch.device) -> Iterator[tuple[int, int, Mapping[str, Any], dict[str, Timing]]]:
+    """(threads, numel, contenders, timings) for each of ``args.threads`` and ``args.sizes``, the
+    contenders (name -> (what the caller keeps, the call)) taking turns call by call."""
+    for threads in sorted({int(t) for t in args.threads.split(",")}):
+        torch.set_num_threads(threads)
+        for numel in (parse_count(text) for text in args.sizes.split(",")):
+            calls = contenders(numel)
+            timings = measure({name: call for name, (_, call) in calls.items()}, device,
+                              repeats=args.repeats, warmup=args.warmup)
+            yield threads, numel, calls, timings
+

@@ -15,19 +15,15 @@ turns call by call (``_harness.measure``) at each thread count.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Callable
 
 import torch
-from _harness import device_info
-from _harness import environment
+from _harness import host_kernel_args
 from _harness import markdown_table
-from _harness import measure
-from _harness import parse_count
+from _harness import timed_by_threads_and_size
 from _harness import write_rows
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -79,37 +75,25 @@ def contenders(numel: int) -> dict[str, tuple[str, Callable[[], object]]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="16M,64M", help="comma-separated element counts (1M = 2**20)")
-    parser.add_argument("--threads", default=f"1,{len(os.sched_getaffinity(0))}", help="torch thread counts")
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--jsonl", type=Path, default=Path(__file__).parent / "results" / "bench_host_adam.jsonl")
-    args = parser.parse_args(argv)
+    args, context = host_kernel_args(__doc__, "bench_host_adam.jsonl", argv, repeats=20)
     device = torch.device("cpu")
-    context = {"device": device_info(device), **environment(), "config": {**vars(args), "jsonl": str(args.jsonl)}}
     started = time.perf_counter()
     warm = torch.zeros(1 << 20)
     cpu_one_pass.adam_one_pass_(warm.clone(), warm.bfloat16(), warm.clone(), warm.clone(), adamw=True, grad_scale=1.0,
                                 clip_coef=1.0, out=warm.bfloat16(), **HPARAMS)
     print(f"one-pass kernel built in {time.perf_counter() - started:.1f} s (compiled, or loaded from inductor's cache)")
     rows = []
-    for threads in sorted({int(t) for t in args.threads.split(",")}):
-        torch.set_num_threads(threads)
-        for numel in (parse_count(text) for text in args.sizes.split(",")):
-            calls = contenders(numel)
-            timings = measure({name: call for name, (_, call) in calls.items()}, device,
-                              repeats=args.repeats, warmup=args.warmup)
-            copy_gbs = BYTES["copy"] * numel / timings["copy_ fp32 (the bandwidth bound)"].median_s / 1e9
-            deepspeed = timings.get("DeepSpeedCPUAdam (fp32 grad, no copy)")
-            for name, (kind, _) in calls.items():
-                timing = timings[name]
-                gbs = BYTES[kind] * numel / timing.median_s / 1e9
-                rows.append({"bench": "host_adam", "numel": numel, "threads": threads, "impl": name,
-                             "median_s": timing.median_s, "p20_s": timing.p20_s, "p80_s": timing.p80_s,
-                             "gb_per_s": gbs, "of_copy_bandwidth": gbs / copy_gbs,
-                             "vs_deepspeed": None if deepspeed is None else deepspeed.median_s / timing.median_s,
-                             **context})
+    for threads, numel, calls, timings in timed_by_threads_and_size(args, contenders, device):
+        copy_gbs = BYTES["copy"] * numel / timings["copy_ fp32 (the bandwidth bound)"].median_s / 1e9
+        deepspeed = timings.get("DeepSpeedCPUAdam (fp32 grad, no copy)")
+        for name, (kind, _) in calls.items():
+            timing = timings[name]
+            gbs = BYTES[kind] * numel / timing.median_s / 1e9
+            rows.append({"bench": "host_adam", "numel": numel, "threads": threads, "impl": name,
+                         "median_s": timing.median_s, "p20_s": timing.p20_s, "p80_s": timing.p80_s,
+                         "gb_per_s": gbs, "of_copy_bandwidth": gbs / copy_gbs,
+                         "vs_deepspeed": None if deepspeed is None else deepspeed.median_s / timing.median_s,
+                         **context})
     write_rows(args.jsonl, rows)
     print(f"host Adam step on {context['device']['name']}, torch {context['torch']}, "
           f"median of {args.repeats} after {args.warmup} warm-up\n")

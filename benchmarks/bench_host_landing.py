@@ -13,17 +13,12 @@ Every contender lands the same bf16 part of N elements into an fp32 shard on the
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
-from pathlib import Path
 
 import torch
-from _harness import device_info
-from _harness import environment
+from _harness import host_kernel_args
 from _harness import markdown_table
-from _harness import measure
-from _harness import parse_count
+from _harness import timed_by_threads_and_size
 from _harness import write_rows
 
 from hf_zero import kernels
@@ -46,29 +41,17 @@ def contenders(numel: int) -> dict[str, tuple[int, object]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="16M,64M", help="comma-separated element counts (1M = 2**20)")
-    parser.add_argument("--threads", default=f"1,{len(os.sched_getaffinity(0))}", help="torch thread counts")
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--jsonl", type=Path, default=Path(__file__).parent / "results" / "bench_host_landing.jsonl")
-    args = parser.parse_args(argv)
+    args, context = host_kernel_args(__doc__, "bench_host_landing.jsonl", argv, repeats=20)
     device = torch.device("cpu")
-    context = {"device": device_info(device), **environment(), "config": {**vars(args), "jsonl": str(args.jsonl)}}
     rows = []
-    for threads in sorted({int(t) for t in args.threads.split(",")}):
-        torch.set_num_threads(threads)
-        for numel in (parse_count(text) for text in args.sizes.split(",")):
-            calls = contenders(numel)
-            timings = measure({name: call for name, (_, call) in calls.items()}, device,
-                              repeats=args.repeats, warmup=args.warmup)
-            mixed = timings["torch add_ (bf16 into fp32)"].median_s
-            for name, (bytes_per_element, _) in calls.items():
-                timing = timings[name]
-                rows.append({"bench": "host_landing", "numel": numel, "threads": threads, "impl": name,
-                             "median_s": timing.median_s, "p20_s": timing.p20_s, "p80_s": timing.p80_s,
-                             "gb_per_s": bytes_per_element * numel / timing.median_s / 1e9,
-                             "vs_mixed_add": mixed / timing.median_s, **context})
+    for threads, numel, calls, timings in timed_by_threads_and_size(args, contenders, device):
+        mixed = timings["torch add_ (bf16 into fp32)"].median_s
+        for name, (bytes_per_element, _) in calls.items():
+            timing = timings[name]
+            rows.append({"bench": "host_landing", "numel": numel, "threads": threads, "impl": name,
+                         "median_s": timing.median_s, "p20_s": timing.p20_s, "p80_s": timing.p80_s,
+                         "gb_per_s": bytes_per_element * numel / timing.median_s / 1e9,
+                         "vs_mixed_add": mixed / timing.median_s, **context})
     write_rows(args.jsonl, rows)
     print(f"16-bit gradient landing on {context['device']['name']}, torch {context['torch']}, "
           f"median of {args.repeats} after {args.warmup} warm-up\n")
