@@ -278,3 +278,21 @@ def test_the_matcher_is_linear_in_the_name():
     started = time.monotonic()
     assert not pattern_found_in("a" * 511 + "b", "a" * 200_000)
     assert time.monotonic() - started < 1.0
+
+
+def test_an_export_into_its_own_checkpoint_is_refused_through_links(saved, tmp_path):
+    """Issue 46: an output path that is a link to the checkpoint's tag folder, or a folder inside it,
+    is refused before anything is written; the checkpoint stays byte for byte as it was."""
+    save_dir = str(tmp_path / "ckpt")
+    shutil.copytree(saved["gpt2"], save_dir)
+    with open(os.path.join(save_dir, "latest")) as handle:
+        tag_dir = os.path.join(save_dir, handle.read().strip())
+    before = {name: pathlib.Path(tag_dir, name).read_bytes() for name in sorted(os.listdir(tag_dir))}
+    link = tmp_path / "out-link"
+    link.symlink_to(tag_dir)
+    with pytest.raises(CheckpointError, match="contains the checkpoint"):
+        export_hf_model(save_dir, link)
+    with pytest.raises(CheckpointError, match="is inside the checkpoint"):
+        export_hf_model(save_dir, os.path.join(tag_dir, "hf"))
+    assert {name: pathlib.Path(tag_dir, name).read_bytes() for name in sorted(os.listdir(tag_dir))} == before
+    assert link.is_symlink() and not any(n.startswith(".") for n in os.listdir(tmp_path) if n != "ckpt")

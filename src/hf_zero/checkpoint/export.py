@@ -479,6 +479,17 @@ def _write_json(path: str, data: Any) -> None:
         os.fsync(handle.fileno())
 
 
+def _check_apart(out_dir: str, source: str) -> None:
+    """The export folder and the checkpoint must not hold each other, followed through links: an
+    export into its own checkpoint (or a link to it) would replace or hard-link the files it reads."""
+    out_real, source_real = os.path.realpath(out_dir), os.path.realpath(source)
+    if out_real == source_real or source_real.startswith(out_real + os.sep):
+        raise CheckpointError(f"{out_dir}: the export directory contains the checkpoint {source}; choose another")
+    if out_real.startswith(source_real + os.sep):
+        raise CheckpointError(f"{out_dir}: the export directory is inside the checkpoint {source}; choose a folder "
+                              "outside it")
+
+
 def export_hf_model(
     ckpt_dir: str | os.PathLike[str],
     out_dir: str | os.PathLike[str],
@@ -510,8 +521,7 @@ def export_hf_model(
         entries = _plan_entries(manifest, streamer, torch_dtype)
     shards = _split(entries, parse_size(max_shard_size))
     out_dir = os.path.abspath(os.fspath(out_dir))
-    if os.path.abspath(source).startswith(out_dir + os.sep) or os.path.abspath(source) == out_dir:
-        raise CheckpointError(f"{out_dir}: the export directory contains the checkpoint {source}; choose another")
+    _check_apart(out_dir, source)
     try:
         with staged_directory(out_dir, _produced_by_export) as staging:
             _write_export(staging, shards, manifest, torch_dtype)
