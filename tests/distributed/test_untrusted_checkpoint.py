@@ -263,6 +263,7 @@ CASES: dict[str, tuple[Callable[[str, str], None], str, str, dict[str, Any]]] = 
     "global_steps_negative": (_edit(_set("global_steps", -5)), "global_steps", MANIFEST, {}),
     "global_steps_text": (_edit(_set("global_steps", "7")), "global_steps", MANIFEST, {}),
     "global_steps_fraction": (_edit(_set("global_steps", 2.9)), "global_steps", MANIFEST, {}),
+    "micro_steps_past_int64": (_edit(_set("micro_steps", 2**64 + 1)), "micro_steps", MANIFEST, {}),
     "optim_dtype_bf16": (_edit(lambda m: m["groups"][0]["tensors"].update({"optim.exp_avg": "BF16"})),
                          "optimizer state is F32", MANIFEST, {}),
     "optim_dtype_i64": (_edit(lambda m: m["groups"][1]["tensors"].update({"optim.exp_avg_sq": "I64"})),

@@ -217,8 +217,19 @@ def test_per_parameter_step_counts_are_checked(slot_steps, phrase):
 def test_the_optimizer_part_is_checked_only_when_it_is_loaded():
     manifest = _run_manifest(lr="abc")
     manifest["global_steps"] = -1
-    assert run_state_problems(manifest, counters=True, optimizer_groups=None) == ["global_steps is -1: expected an integer >= 0"]
+    assert run_state_problems(manifest, counters=True, optimizer_groups=None) == [
+        "global_steps is -1: expected an integer from 0 to 2**48"]
     assert run_state_problems(manifest, counters=False, optimizer_groups=None) == []
+
+
+def test_a_counter_past_any_run_is_refused():
+    """Issue 46: micro_steps = 2**64 + 1 loaded, and every later step (and reload) failed."""
+    manifest = _run_manifest()
+    manifest["micro_steps"] = 2**64 + 1
+    assert run_state_problems(manifest, counters=True, optimizer_groups=None) == [
+        f"micro_steps is {2**64 + 1}: expected an integer from 0 to 2**48"]
+    manifest["micro_steps"] = 2**48
+    assert run_state_problems(manifest, counters=True, optimizer_groups=None) == []
 
 
 # ------------------------------------------------------------------ a tried state leaves nothing behind

@@ -36,6 +36,9 @@ from hf_zero.checkpoint.safetensors_io import DTYPE_TAGS
 
 OPTIM_STATE_DTYPES = (DTYPE_TAGS[torch.float32],)  # see [Note: validated run state]
 COUNTERS = ("global_steps", "micro_steps", "global_samples")
+# Far beyond any run (2**40 steps at one a millisecond is 35 years), and below int64's limit,
+# which the step's checks convert to: 2**64 + 1 would fail every later step and every reload.
+MAX_COUNTER = 1 << 48
 _NON_NEGATIVE = ("lr", "weight_decay")
 _RANGED = ("lr", "eps", "weight_decay", "betas")  # a None here is never "unset"
 _PLAIN_KINDS = ("none", "flag", "number", "text", "sequence")
@@ -196,8 +199,8 @@ def _counter_problems(manifest: Mapping[str, Any]) -> list[str]:
     problems = []
     for key in COUNTERS:
         value = manifest.get(key)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            problems.append(f"{key} is {value!r:.40}: expected an integer >= 0")
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_COUNTER:
+            problems.append(f"{key} is {value!r:.40}: expected an integer from 0 to 2**48")
     return problems
 
 
