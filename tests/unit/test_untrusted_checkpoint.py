@@ -263,3 +263,37 @@ def test_eps_as_adafactor_holds_it_and_flags_that_may_be_none():
     for eps in ({"__tuple__": [None, -1.0]}, {"__tuple__": [math.nan, 1e-3]}, None):
         problems = run_state_problems(_run_manifest(eps=eps), True, current)
         assert len(problems) == 1 and problems[0].startswith("optimizer.param_groups[0].eps "), problems
+
+
+_WRITE_INTO = """
+import resource, signal, sys, torch
+from hf_zero.checkpoint.converted import write_converted
+from hf_zero.checkpoint.safetensors_io import TensorEntry
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))  # the rank file cannot be written: EFBIG
+entry = TensorEntry("w", torch.float32, (65536,), lambda: torch.zeros(65536))
+try:
+    write_converted(sys.argv[1], "global_step1", "s1", [entry], {"format": "hf_zero"})
+except OSError as error:
+    print(error.strerror)
+"""
+
+
+@pytest.mark.parametrize("before", ["absent", "empty", "with a file"])
+def test_a_failed_import_write_leaves_no_empty_folder_it_made(tmp_path, before):
+    """Issue 46: a conversion that fails while writing removes the output folder it created, and
+    leaves one that was there before (empty or not) as it was."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "converted"
+    if before != "absent":
+        out.mkdir()
+    if before == "with a file":
+        (out / "notes.txt").write_text("mine")
+    done = subprocess.run([sys.executable, "-c", _WRITE_INTO, str(out)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "File too large" in done.stdout, done.stdout + done.stderr
+    if before == "absent":
+        assert not out.exists()
+    else:
+        assert sorted(os.listdir(out)) == ([] if before == "empty" else ["notes.txt"])

@@ -31,9 +31,14 @@ def check_conversion_target(source_dir: str, out_dir: str, optimizer_class: str,
 
 def write_converted(out_dir: str, tag: str, save_id: str, entries: list[TensorEntry], manifest: dict[str, Any]) -> str:
     """The rank file and the manifest into a temporary folder, published only when complete."""
+    created = not os.path.lexists(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     tmp_dir = os.path.join(out_dir, f".{tag}.tmp-{save_id}")
-    os.mkdir(tmp_dir)
+    try:
+        os.mkdir(tmp_dir)
+    except BaseException:
+        _remove_if_created_and_empty(out_dir, created)
+        raise
     try:
         metadata = {"format": "hf_zero", "save_id": save_id, "tag": tag, "rank": "0", "world_size": "1"}
         record = _write_rank_file(os.path.join(tmp_dir, rank_file_name(0, 1)), entries, metadata)
@@ -42,4 +47,10 @@ def write_converted(out_dir: str, tag: str, save_id: str, entries: list[TensorEn
         return _publish(out_dir, tmp_dir, tag, save_id)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
+        _remove_if_created_and_empty(out_dir, created)  # a refused import leaves no empty folder behind
         raise
+
+
+def _remove_if_created_and_empty(out_dir: str, created: bool) -> None:
+    if created and os.path.isdir(out_dir) and not os.listdir(out_dir):
+        os.rmdir(out_dir)
