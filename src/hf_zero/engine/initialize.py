@@ -238,10 +238,6 @@ def _build_dataloader(
     )
 
 
-# What initialize passes to resolve(...) itself; every other "auto" comes from a Trainer's arguments.
-_FILLED_BY_INITIALIZE = ("hidden_size",)
-
-
 def _resolve(parsed: HfZeroConfig, world_size: int, model: nn.Module) -> HfZeroConfig:
     """``parsed`` with the "auto" values the model and the world decide filled. The others (a
     recipe's batch sizes, clipping, learning rates) are a Trainer's or Accelerate's to fill from
