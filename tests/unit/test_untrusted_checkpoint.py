@@ -297,3 +297,64 @@ def test_a_failed_import_write_leaves_no_empty_folder_it_made(tmp_path, before):
         assert not out.exists()
     else:
         assert sorted(os.listdir(out)) == ([] if before == "empty" else ["notes.txt"])
+
+
+# ------------------------------------------------------------------ scheduler state and records
+class _ScaledLR(torch.optim.lr_scheduler.LRScheduler):
+    """A user's scheduler: its own attribute ``scale``, which no named rule knows."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, scale: float) -> None:
+        self.scale = scale
+        super().__init__(optimizer)
+
+    def get_lr(self) -> list[float]:
+        return [base * self.scale for base in self.base_lrs]
+
+
+def _adamw(**hyper) -> torch.optim.AdamW:
+    return torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))], lr=1e-3, **hyper)
+
+
+def test_a_scheduler_state_is_tried_with_one_step_and_everything_put_back():
+    from hf_zero.checkpoint.load import _scheduler_trial
+    from hf_zero.checkpoint.scheduler_state import scheduler_state_problems
+
+    optimizer = _adamw()
+    scheduler = _ScaledLR(optimizer, 0.5)
+    saved = dict(scheduler.state_dict(), scale=-2.0)
+    assert scheduler_state_problems(saved, scheduler, 1) == []  # only the step finds it
+    current, groups = dict(scheduler.state_dict()), [dict(g) for g in optimizer.param_groups]
+    with pytest.raises(CheckpointError, match=r"its next step sets the learning rates \[-0.002\]"):
+        _try_state("lr_scheduler state", "m.json", current, scheduler.load_state_dict, saved, owner=scheduler,
+                   trial=_scheduler_trial(scheduler))
+    assert scheduler.state_dict() == current and optimizer.param_groups == groups
+    _try_state("lr_scheduler state", "m.json", current, scheduler.load_state_dict, dict(saved, scale=2.0),
+               owner=scheduler, trial=_scheduler_trial(scheduler))
+    assert scheduler.state_dict() == current and optimizer.param_groups == groups
+
+
+def test_reduce_on_plateau_keeps_its_infinities_and_is_not_stepped():
+    from hf_zero.checkpoint.scheduler_state import scheduler_state_problems, takes_a_plain_step
+
+    scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(_adamw())
+    state = scheduler.state_dict()
+    assert state["best"] == math.inf and scheduler_state_problems(state, scheduler, 1) == []
+    assert not takes_a_plain_step(scheduler)
+    assert scheduler_state_problems(dict(state, factor=0.0, patience=-1), scheduler, 1) == [
+        "lr_scheduler.state.factor is 0.0: expected > 0",
+        "lr_scheduler.state.patience is -1: expected a count >= 0"]
+
+
+@pytest.mark.parametrize("hyper, kept", [
+    ({}, ["exp_avg", "exp_avg_sq"]),
+    ({"amsgrad": True}, ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"]),
+])
+def test_the_state_an_optimizer_keeps_is_probed_with_its_groups(hyper, kept):
+    from hf_zero.checkpoint.optimizer_records import kept_state
+
+    state = kept_state(torch.optim.AdamW, _adamw(**hyper).param_groups[0])
+    assert sorted(state.elementwise) == kept and state.step
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
+    assert kept_state(torch.optim.SGD, sgd.param_groups[0]).elementwise == frozenset()
+    momentum = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1, momentum=0.9)
+    assert kept_state(torch.optim.SGD, momentum.param_groups[0]).elementwise == {"momentum_buffer"}

@@ -34,6 +34,7 @@ from hf_zero.checkpoint.manifest import (
     optimizer_value_on, param_group_of, persistent_buffers, read_manifest, resolve_checkpoint_dir, restore_rng,
     tensor_name,
 )
+from hf_zero.checkpoint.optimizer_records import record_problems
 from hf_zero.checkpoint.offloaded import (
     check_streamed_keys, is_streamed, load_streamed_optimizer, load_streamed_parameters,
 )
@@ -42,6 +43,7 @@ from hf_zero.checkpoint.reshard import (
     Piece, SavedSlot, index_saved_slots, merged_scalars, plan_pieces,
 )
 from hf_zero.checkpoint.safetensors_io import TAG_DTYPES
+from hf_zero.checkpoint.scheduler_state import scheduler_state_problems, takes_a_plain_step, trial_step_problem
 from hf_zero.checkpoint.validate import check_run_state
 from hf_zero.checkpoint.whole_state import (
     WholeRead, apply_whole_state, expected_tensors, plan_whole_state, whole_params_of,
@@ -135,6 +137,20 @@ def _check_optimizer(engine: EngineState, manifest: dict[str, Any], manifest_pat
         )
 
 
+def _check_records(engine: EngineState, saved: dict[str, SavedSlot], manifest: dict[str, Any],
+                   manifest_path: str) -> None:
+    """The records optimizer state is read from are complete: [Note: complete optimizer records]."""
+    indices = sorted({saved[s.name].group_index for g in flat_groups(engine) if g.master_state.tensor is not None
+                      for s in g.layout.slots})
+    problems = record_problems(manifest, engine.optimizer.inner, indices)
+    if problems:
+        raise CheckpointError(
+            f"{manifest_path}: incomplete optimizer state (edited by hand or damaged): {'; '.join(problems[:5])}"
+            f"{f'; and {len(problems) - 5} more' if len(problems) > 5 else ''}. Load another checkpoint, or "
+            "load with load_optimizer_states=False"
+        )
+
+
 def _plan(engine: EngineState, load_dir: str | os.PathLike[str], tag: str | None, load_optimizer: bool,
           load_scheduler: bool, module_only: bool, allow_unverified: bool) -> _Plan:
     refuse_deepspeed_checkpoint(engine, load_dir, tag)  # a DeepSpeed folder: the call that converts it
@@ -145,7 +161,8 @@ def _plan(engine: EngineState, load_dir: str | os.PathLike[str], tag: str | None
                         optimizer_groups=engine.optimizer.inner.param_groups if load_optimizer else None)
         plan = _plan_reads(engine, ckpt_dir, manifest, load_optimizer, allow_unverified)
         if not module_only:
-            plan.run_state = _decode_run_state(engine, manifest, load_optimizer, load_scheduler)
+            plan.run_state = _decode_run_state(engine, manifest, load_optimizer, load_scheduler,
+                                               os.path.join(ckpt_dir, MANIFEST_NAME))
             _try_run_state(engine, plan.run_state, os.path.join(ckpt_dir, MANIFEST_NAME))
     return plan
 
@@ -157,6 +174,7 @@ def _plan_reads(engine: EngineState, ckpt_dir: str, manifest: dict[str, Any], lo
     _check_same_model(engine, saved, manifest["model"]["class"], manifest_path)
     if load_optimizer:
         _check_optimizer(engine, manifest, manifest_path)
+        _check_records(engine, saved, manifest, manifest_path)
     plans = []
     per_slot = engine.optimizer is not None and getattr(engine.optimizer.inner, "per_slot_steps", False)
     for group in flat_groups(engine):
@@ -176,9 +194,13 @@ def _plan_reads(engine: EngineState, ckpt_dir: str, manifest: dict[str, Any], lo
     buffers = [(n, b) for n, b in persistent_buffers(engine.module) if n in saved_buffers]
     whole_reads = plan_whole_state(engine, manifest, manifest_path) if load_optimizer else []
     files = RankFiles(ckpt_dir, manifest, allow_unverified)
-    _check_files(files, manifest, plans, buffers)
-    for index, expected in sorted(expected_tensors(whole_reads).items()):
-        files.check(index, expected)
+    try:
+        _check_files(files, manifest, plans, buffers)
+        for index, expected in sorted(expected_tensors(whole_reads).items()):
+            files.check(index, expected)
+    except BaseException:
+        files.close()
+        raise
     return _Plan(ckpt_dir, manifest, files, plans, load_optimizer, buffers, whole_reads)
 
 
@@ -197,45 +219,54 @@ def _check_files(files: RankFiles, manifest: dict[str, Any], plans: list[_GroupP
         files.check(index, expected[index])
 
 
-def _decode_run_state(engine: EngineState, manifest: dict[str, Any], load_optimizer: bool, load_scheduler: bool) -> _RunState:
+def _decode_run_state(engine: EngineState, manifest: dict[str, Any], load_optimizer: bool, load_scheduler: bool,
+                      manifest_path: str) -> _RunState:
     hyper = decode_state(manifest["optimizer"]["param_groups"], "optimizer.param_groups") if load_optimizer else None
     if hyper is not None and not all(isinstance(h, dict) for h in hyper):
         raise TypeError("optimizer.param_groups must be a list of objects")
     saved_scheduler = manifest.get("lr_scheduler")
     scheduler = None
-    if load_scheduler and engine.lr_scheduler is not None and saved_scheduler is not None:
+    if load_scheduler and engine.lr_scheduler is not None:
+        if saved_scheduler is None:
+            raise CheckpointError(f"{manifest_path}: the checkpoint holds no lr_scheduler state, and the engine has a "
+                             f"{type(engine.lr_scheduler).__name__}; load with load_lr_scheduler_states=False to "
+                             "keep the scheduler as it is, or load a checkpoint saved with a scheduler")
         if saved_scheduler["class"] != type(engine.lr_scheduler).__name__:
             logger.warning("hf_zero: loading %s state into a %s", saved_scheduler["class"], type(engine.lr_scheduler).__name__)
         scheduler = decode_state(saved_scheduler["state"], "lr_scheduler.state")
-        _check_scheduler_keys(engine.lr_scheduler, scheduler)
+        _check_scheduler_state(engine, scheduler, manifest_path)
     saved_scaler = manifest.get("loss_scaler")
+    live_scaler = engine.optimizer.loss_scaler if engine.optimizer is not None else None
+    if load_optimizer and live_scaler is not None and saved_scaler is None:
+        raise CheckpointError(f"{manifest_path}: the checkpoint holds no fp16 loss scaler state (it was saved without fp16 loss scaling), "
+                         "and this engine scales its loss; load with load_optimizer_states=False to start the scale "
+                         "afresh, or train with the precision the checkpoint was saved with")
     scaler = decode_state(saved_scaler["state"], "loss_scaler.state") if saved_scaler is not None else None
     rng = manifest.get("rng") or []
     counters = (manifest["global_steps"], manifest["micro_steps"], manifest["global_samples"])  # checked ints
     return _RunState(hyper, scheduler, scaler, rng[engine.rank] if engine.rank < len(rng) else None, counters)
 
 
-def _check_scheduler_keys(scheduler: Any, saved: Any) -> None:
-    """Scheduler state keys from a closed list, the scheduler's own: torch's
-    ``LRScheduler.load_state_dict`` turns every key into an attribute, so an unknown key would
-    plant one (a callable, a value a later step trips on)."""
-    if not isinstance(saved, dict):
-        raise TypeError(f"lr_scheduler.state is a {type(saved).__name__}, not an object")
-    extra = sorted(str(k) for k in saved if k not in scheduler.state_dict())
-    if extra:
-        raise ValueError(f"lr_scheduler.state holds keys {extra[:5]} that {type(scheduler).__name__}.state_dict() "
-                         "does not have; load with load_lr_scheduler_states=False, or use the scheduler it was saved with")
+def _check_scheduler_state(engine: EngineState, saved: Any, manifest_path: str) -> None:
+    """The saved state against the engine's scheduler: [Note: validated scheduler state]."""
+    problems = scheduler_state_problems(saved, engine.lr_scheduler, len(engine.optimizer.param_groups)
+                                        if engine.optimizer is not None else 0)
+    if problems:
+        raise CheckpointError(f"{manifest_path}: invalid lr_scheduler state (edited by hand or damaged, or saved by another scheduler): "
+                         f"{'; '.join(problems[:6])}{f'; and {len(problems) - 6} more' if len(problems) > 6 else ''}; "
+                         f"load with load_lr_scheduler_states=False, or use the scheduler it was saved with")
 
 
 def _try_state(what: str, manifest_path: str, current: Any, apply: Callable[[Any], None], saved: Any,
-               owner: Any = None) -> None:
-    """Apply ``saved`` then put ``current`` back: a state the object refuses is found now. The
-    attributes of ``owner`` are restored as they were too (a ``load_state_dict`` that adds
-    attributes would otherwise leave them behind)."""
+               owner: Any = None, trial: Callable[[Any], None] | None = None) -> None:
+    """Apply ``saved`` (through ``trial`` when given, which may do more with it), then put
+    ``current`` back with ``apply``: a state the object refuses is found now. The attributes of
+    ``owner`` are restored as they were too (a ``load_state_dict`` that adds attributes would
+    otherwise leave them behind)."""
     attributes = getattr(owner, "__dict__", {})
     names = set(attributes)
     try:
-        apply(saved)
+        (trial or apply)(saved)
     except Exception as exc:
         raise CheckpointError(f"{manifest_path}: the saved {what} does not load ({type(exc).__name__}: {exc})") from exc
     finally:
@@ -244,11 +275,46 @@ def _try_state(what: str, manifest_path: str, current: Any, apply: Callable[[Any
             del attributes[name]
 
 
+def _group_values(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in g.items() if k != "params"}
+            for g in groups]
+
+
+def _put_back_group_values(groups: list[dict[str, Any]], values: list[dict[str, Any]]) -> None:
+    """The param groups' values as :func:`_group_values` took them (a tensor lr in place)."""
+    for group, kept in zip(groups, values):
+        for key in [k for k in group if k != "params" and k not in kept]:
+            del group[key]
+        for key, value in kept.items():
+            if isinstance(value, torch.Tensor) and isinstance(group.get(key), torch.Tensor):
+                group[key].copy_(value)
+            else:
+                group[key] = value
+
+
+def _scheduler_trial(scheduler: Any) -> Callable[[Any], None]:
+    """Load a state and take one step with it ([Note: validated scheduler state]); the
+    optimizer's param groups, which the step writes, are put back."""
+    def trial(saved: Any) -> None:
+        scheduler.load_state_dict(saved)
+        if not takes_a_plain_step(scheduler):
+            return
+        groups = scheduler.optimizer.param_groups
+        values = _group_values(groups)
+        try:
+            problem = trial_step_problem(scheduler)
+        finally:
+            _put_back_group_values(groups, values)
+        if problem is not None:
+            raise ValueError(problem)
+    return trial
+
+
 def _try_run_state(engine: EngineState, run: _RunState, manifest_path: str) -> None:
     scheduler = engine.lr_scheduler
     if run.scheduler is not None:
         _try_state("lr_scheduler state", manifest_path, copy.deepcopy(scheduler.state_dict()),
-                   scheduler.load_state_dict, run.scheduler, owner=scheduler)
+                   scheduler.load_state_dict, run.scheduler, owner=scheduler, trial=_scheduler_trial(scheduler))
     scaler = engine.optimizer.loss_scaler if engine.optimizer is not None else None
     if scaler is not None and run.scaler is not None:
         _try_state("loss scaler state", manifest_path, copy.deepcopy(scaler.state_dict()),

@@ -42,9 +42,12 @@ MAX_COUNTER = 1 << 48
 _NON_NEGATIVE = ("lr", "weight_decay")
 _RANGED = ("lr", "eps", "weight_decay", "betas")  # a None here is never "unset"
 _PLAIN_KINDS = ("none", "flag", "number", "text", "sequence")
+# Not the optimizer's own: a scheduler's mark and the parameters. A missing flag is torch's to
+# default (``Optimizer.__setstate__``); a missing number or sequence is an error.
+_OPTIONAL_HYPER = frozenset({"params", "initial_lr", "param_names"})
 
 
-def _number(value: Any) -> float | None:
+def as_number(value: Any) -> float | None:
     """``value`` as a float when it is a number (a bool is not; a 0-d numeric tensor is)."""
     if isinstance(value, bool):
         return None
@@ -55,12 +58,12 @@ def _number(value: Any) -> float | None:
     return None
 
 
-def _kind(value: Any) -> str:
+def value_kind(value: Any) -> str:
     if value is None:
         return "none"
     if isinstance(value, bool):
         return "flag"
-    if _number(value) is not None:
+    if as_number(value) is not None:
         return "number"
     if isinstance(value, str):
         return "text"
@@ -72,7 +75,7 @@ def _kind(value: Any) -> str:
 
 
 def _non_negative_problem(where: str, value: Any) -> str | None:
-    number = _number(value)
+    number = as_number(value)
     if number is None or not math.isfinite(number) or number < 0:
         return f"{where} is {value!r:.60}: expected a finite number >= 0"
     return None
@@ -80,14 +83,14 @@ def _non_negative_problem(where: str, value: Any) -> str | None:
 
 def _eps_problem(where: str, value: Any) -> str | None:
     items = value if isinstance(value, (list, tuple)) else [value]
-    numbers = [_number(v) for v in items if v is not None]
+    numbers = [as_number(v) for v in items if v is not None]
     if value is not None and not all(n is not None and math.isfinite(n) and n >= 0 for n in numbers):
         return f"{where} is {value!r:.60}: expected finite numbers >= 0"
     return None
 
 
 def _betas_problem(where: str, value: Any) -> str | None:
-    numbers = [_number(v) for v in value] if isinstance(value, (list, tuple)) and len(value) == 2 else None
+    numbers = [as_number(v) for v in value] if isinstance(value, (list, tuple)) and len(value) == 2 else None
     if numbers is None or not all(n is not None and math.isfinite(n) and 0 <= n < 1 for n in numbers):
         return f"{where} is {value!r:.60}: expected two finite numbers in [0, 1)"
     return None
@@ -95,7 +98,7 @@ def _betas_problem(where: str, value: Any) -> str | None:
 
 def _finite_problem(where: str, value: Any) -> str | None:
     items = value if isinstance(value, (list, tuple)) else [value]
-    numbers = [n for n in (_number(v) for v in items) if n is not None]
+    numbers = [n for n in (as_number(v) for v in items) if n is not None]
     if not all(math.isfinite(n) for n in numbers):
         return f"{where} is {value!r:.60}: expected finite numbers"
     return None
@@ -103,10 +106,10 @@ def _finite_problem(where: str, value: Any) -> str | None:
 
 def _kind_problem(where: str, key: str, value: Any, current: Mapping[str, Any]) -> str | None:
     if key not in current:  # a key the optimizer does not use (a scheduler's initial_lr, ...)
-        if _kind(value) not in _PLAIN_KINDS:
-            return f"{where} is a {_kind(value)}, not a plain value an optimizer param group holds"
+        if value_kind(value) not in _PLAIN_KINDS:
+            return f"{where} is a {value_kind(value)}, not a plain value an optimizer param group holds"
         return None
-    saved_kind, current_kind = _kind(value), _kind(current[key])
+    saved_kind, current_kind = value_kind(value), value_kind(current[key])
     loose = key not in _RANGED and {saved_kind, current_kind} <= {"none", "flag"}
     if saved_kind != current_kind and not loose:
         return f"{where} is a {saved_kind} ({value!r:.60}), the optimizer holds a {current_kind} there"
@@ -137,12 +140,15 @@ def _hyper_problems(saved_groups: Any, current_groups: list[Mapping[str, Any]]) 
             problem = _hyper_value_problem(f"{where}[{index}].{key}", key, value, current)
             if problem:
                 problems.append(problem)
+        problems += [f"{where}[{index}].{key} is missing (the optimizer holds {value!r:.40} there)"
+                     for key, value in current.items() if key not in group and key not in _OPTIONAL_HYPER
+                     and value_kind(value) in ("number", "sequence")]
     return problems
 
 
 def step_problem(where: str, value: Any) -> str | None:
     """An optimizer step count: a finite integer >= 0 (an int, an integral float or a 0-d tensor)."""
-    number = _number(value)
+    number = as_number(value)
     if number is None or not math.isfinite(number) or number < 0 or number != int(number):
         return f"{where} is {value!r:.60}: expected a finite integer >= 0"
     return None
