@@ -9,6 +9,7 @@ JSON (no pickle anywhere), readable by ``json.load`` and by a person.
 from __future__ import annotations
 
 import base64
+import collections
 import contextlib
 import json
 import math
@@ -23,6 +24,7 @@ from torch import nn
 from hf_zero.checkpoint.errors import CheckpointError, CheckpointNotFoundError
 from hf_zero.checkpoint.paths import is_plain_name, resolve_inside
 from hf_zero.checkpoint.safetensors_io import DTYPE_TAGS
+from hf_zero.partition import PARAM_ALIGNMENT, round_up
 
 FORMAT = "hf_zero.checkpoint"
 FORMAT_VERSION = 2  # 2: per-tensor dtype, shape and SHA-256 in "files"; rank and world size in each file
@@ -496,11 +498,41 @@ def _group_problems(index: int, group: Any, file_count: int) -> list[str]:
         problems.append(f"{where}.world_size is {world}, but the manifest lists {file_count} rank files")
     if padded % world:
         problems.append(f"{where}.padded_numel {padded} does not split in {world} equal shards")
-    for k, slot in enumerate(group.get("slots") if isinstance(group.get("slots"), list) else []):
+    slots = group.get("slots") if isinstance(group.get("slots"), list) else []
+    for k, slot in enumerate(slots):
         ok = (isinstance(slot, dict) and isinstance(slot.get("name"), str) and isinstance(slot.get("shape"), list)
               and _is_int(slot.get("offset")) and _is_int(slot.get("numel")))
         if not ok or slot["offset"] + slot["numel"] > padded:
             problems.append(f"{where}.slots[{k}] is malformed or lies outside the group ({slot!r:.80})")
+    return problems or _layout_problems(where, group, slots)
+
+
+# [Note: slots where the layout puts them]
+# A slot's offset decides which elements of the rank files are its weights, and no checksum
+# covers that mapping (the checksums are of each rank file's tensors, not of where a parameter
+# starts in them). So the offsets must be those build_flat_layout gives the slots in the order
+# listed: each slot starts where the one before it ends, or at most at the next multiple of
+# PARAM_ALIGNMENT (older checkpoints lay parameters back to back); its numel is its shape's
+# product and the group's numel their sum; a name has one slot in the whole manifest.
+# Overlapping or swapped offsets (two parameters reading each other's weights) fail the first
+# rule. Not caught: names swapped between two slots of one shape, whose offsets stay valid (the
+# order of the slots is not the model's to check: an import lists them in DeepSpeed's order).
+def _layout_problems(where: str, group: dict[str, Any], slots: list[dict[str, Any]]) -> list[str]:
+    """The slots laid out as :func:`hf_zero.partition.build_flat_layout` lays them out: see
+    [Note: slots where the layout puts them]."""
+    problems, end = [], 0
+    for k, slot in enumerate(slots):
+        shape = slot["shape"]
+        if not all(_is_int(d) for d in shape) or math.prod(shape) != slot["numel"]:
+            problems.append(f"{where}.slots[{k}] ({slot['name']!r:.60}) has numel {slot['numel']}, its shape "
+                            f"{shape!r:.40} holds {math.prod(shape) if all(_is_int(d) for d in shape) else '?'}")
+        elif not end <= slot["offset"] <= round_up(end, PARAM_ALIGNMENT):
+            problems.append(f"{where}.slots[{k}] ({slot['name']!r:.60}) starts at {slot['offset']}: the layout puts it "
+                            f"at {round_up(end, PARAM_ALIGNMENT)}, after the slot before it, which ends at {end}")
+        end = slot["offset"] + slot["numel"]
+    numel = group.get("numel")
+    if not problems and numel is not None and numel != sum(slot["numel"] for slot in slots):
+        problems.append(f"{where}.numel is {numel!r:.20}, its slots hold {sum(slot['numel'] for slot in slots)}")
     return problems
 
 
@@ -522,6 +554,11 @@ def structure_problems(manifest: dict[str, Any]) -> list[str]:
     problems = []
     for index, group in enumerate(groups):
         problems += _group_problems(index, group, len(files) if groups else 0)
+    if not problems:
+        counts = collections.Counter(slot["name"] for group in groups for slot in group["slots"])
+        repeated = sorted(name for name, count in counts.items() if count > 1)
+        if repeated:
+            problems.append(f"slot names {repeated[:3]!r:.120} appear more than once (each parameter has one slot)")
     if not isinstance(manifest["model"], dict) or not isinstance(manifest["model"].get("class"), str):
         problems.append("model.class is missing")
     return problems
