@@ -85,13 +85,13 @@ def _outside(touched: list[str], folder: str) -> list[str]:
 
 
 # ------------------------------------------------------------------ the engine and its state
-def _engine(seed: int) -> Any:
+def _engine(seed: int, dtype: str = "fp32") -> Any:
     import hf_zero
     from tests.tiny_models import BUILDERS
 
     model = BUILDERS["llama"](seed=seed).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=S.LR, betas=S.BETAS, eps=S.EPS, weight_decay=S.WEIGHT_DECAY)
-    config = S.make_config(S.scenario("llama", 2, 1, optimizer="torch"))
+    config = S.make_config(S.scenario("llama", 2, 1, optimizer="torch", dtype=dtype))
     engine, *_ = hf_zero.initialize(model=model, optimizer=optimizer, config=config,
                                     lr_scheduler=lambda zero_opt: torch.optim.lr_scheduler.StepLR(zero_opt, 2, 0.5))
     return engine
@@ -208,6 +208,14 @@ def _deep_text(levels: int) -> Callable[[str, str], None]:
     return damage
 
 
+def _swap_slots(group: int, first: int, second: int, key: str) -> Callable[[dict[str, Any]], None]:
+    def edit(manifest: dict[str, Any]) -> None:
+        slots = manifest["groups"][group]["slots"]
+        assert slots[first]["shape"] == slots[second]["shape"], (slots[first], slots[second])
+        slots[first][key], slots[second][key] = slots[second][key], slots[first][key]
+    return edit
+
+
 def _set(key: str, value: Any) -> Callable[[dict[str, Any]], None]:
     return lambda manifest: manifest.__setitem__(key, value)
 
@@ -268,6 +276,56 @@ CASES: dict[str, tuple[Callable[[str, str], None], str, str, dict[str, Any]]] = 
                          "optimizer state is F32", MANIFEST, {}),
     "optim_dtype_i64": (_edit(lambda m: m["groups"][1]["tensors"].update({"optim.exp_avg_sq": "I64"})),
                         "optimizer state is F32", MANIFEST, {}),
+    # the scheduler's values against the scheduler: [Note: validated scheduler state]
+    "scheduler_step_size_0": (_edit(_scheduler("step_size", 0)), "lr_scheduler.state.step_size is 0", MANIFEST, {}),
+    "scheduler_gamma_nan": (_edit(_scheduler("gamma", float("nan"))), "lr_scheduler.state.gamma", MANIFEST, {}),
+    "scheduler_gamma_negative": (_edit(_scheduler("gamma", -1.0)), "lr_scheduler.state.gamma is -1.0", MANIFEST, {}),
+    "scheduler_base_lrs_text": (_edit(_scheduler("base_lrs", "x")), "lr_scheduler.state.base_lrs is a text",
+                                MANIFEST, {}),
+    "scheduler_base_lrs_negative": (_edit(_scheduler("base_lrs", [-1.0])), "lr_scheduler.state.base_lrs[0]",
+                                    MANIFEST, {}),
+    "scheduler_base_lrs_three": (_edit(_scheduler("base_lrs", [1e-3] * 3)), "has 3 values", MANIFEST, {}),
+    "scheduler_last_epoch_text": (_edit(_scheduler("last_epoch", "3")), "lr_scheduler.state.last_epoch is a text",
+                                  MANIFEST, {}),
+    "scheduler_last_epoch_minus_7": (_edit(_scheduler("last_epoch", -7)), "expected >= -1", MANIFEST, {}),
+    "scheduler_last_epoch_past_2_48": (_edit(_scheduler("last_epoch", 2**64 + 1)), "at most 2**48", MANIFEST, {}),
+    "scheduler_step_count_text": (_edit(_scheduler("_step_count", "a")), "lr_scheduler.state._step_count",
+                                  MANIFEST, {}),
+    "scheduler_step_count_fraction": (_edit(_scheduler("_step_count", 2.5)), "lr_scheduler.state._step_count",
+                                      MANIFEST, {}),
+    "scheduler_last_lr_nan": (_edit(_scheduler("_last_lr", [float("nan")])), "lr_scheduler.state._last_lr[0]",
+                              MANIFEST, {}),
+    "scheduler_is_initial_text": (_edit(_scheduler("_is_initial", "no")), "lr_scheduler.state._is_initial",
+                                  MANIFEST, {}),
+    "scheduler_base_lrs_missing": (_edit(lambda m: m["lr_scheduler"]["state"].pop("base_lrs")),
+                                   "lr_scheduler.state.base_lrs is missing", MANIFEST, {}),
+    # missing sections: an error unless the caller skips them
+    "scheduler_missing": (_edit(lambda m: m.pop("lr_scheduler")), "holds no lr_scheduler state", MANIFEST, {}),
+    "scheduler_null": (_edit(_set("lr_scheduler", None)), "load_lr_scheduler_states=False", MANIFEST, {}),
+    "lr_missing": (_edit(lambda m: m["optimizer"]["param_groups"][0].pop("lr")),
+                   "optimizer.param_groups[0].lr is missing", MANIFEST, {}),
+    "betas_null": (_edit(_hyper("betas", None)), "optimizer.param_groups[0].betas", MANIFEST, {}),
+    # optimizer records complete: [Note: complete optimizer records]
+    "exp_avg_missing": (_edit(lambda m: m["groups"][0]["tensors"].pop("optim.exp_avg")),
+                        "holds optimizer state ['exp_avg_sq'], the optimizer keeps", MANIFEST, {}),
+    "optim_tensors_missing": (_edit(lambda m: m["groups"][2]["tensors"].update({"param": "F32"})
+                                    or [m["groups"][2]["tensors"].pop(k) for k in ("optim.exp_avg", "optim.exp_avg_sq")]),
+                              "groups[2] (model.layers.1#0) holds optimizer state []", MANIFEST, {}),
+    "optim_step_missing": (_edit(lambda m: m["groups"][1]["optimizer_scalars"].pop("step")),
+                           "groups[1].optimizer_scalars has no step count", MANIFEST, {}),
+    "optim_scalars_empty": (_edit(lambda m: m["groups"][0].update(optimizer_scalars={})),
+                            "groups[0].optimizer_scalars has no step count", MANIFEST, {}),
+    "optim_record_amsgrad_key": (_edit(lambda m: m["groups"][0]["tensors"].update({"optim.max_exp_avg_sq": "F32"})),
+                                 "the optimizer keeps ['exp_avg', 'exp_avg_sq']", MANIFEST, {}),
+    # slots where the layout puts them: [Note: slots where the layout puts them]
+    "offsets_overlap": (_edit(lambda m: m["groups"][1]["slots"][1].update(offset=128)),
+                        "groups[1].slots[1] ('model.layers.0.self_attn.k_proj.weight') starts at 128", MANIFEST, {}),
+    "offsets_swapped": (_edit(_swap_slots(1, 0, 3, "offset")), "groups[1].slots[0]", MANIFEST, {}),
+    "numel_not_shape": (_edit(lambda m: m["groups"][1]["slots"][1].update(numel=100)), "its shape [8, 16] holds 128",
+                        MANIFEST, {}),
+    "group_numel_wrong": (_edit(lambda m: m["groups"][1].update(numel=7)), "groups[1].numel is 7", MANIFEST, {}),
+    "slot_name_twice": (_edit(lambda m: m["groups"][1]["slots"][0].update(name="model.layers.0.mlp.up_proj.weight")),
+                        "appear more than once", MANIFEST, {}),
     # depth
     "client_state_200_deep": (_edit(_set("client_state", _deep(200))), "nested more than", MANIFEST, {}),
     "client_state_200k_deep": (_deep_text(200_000), "nested more than", MANIFEST, {}),
@@ -422,9 +480,80 @@ def test_export_confines_paths_and_verifies_unless_told(corpus, tmp_path):
     assert (tmp_path / "out" / "model.safetensors").is_file()
 
 
+def test_a_missing_section_loads_when_the_caller_skips_it(corpus, fresh_engine):
+    from hf_zero.checkpoint import CheckpointError
+
+    no_scheduler = _copy_good(corpus, "no_scheduler")
+    _edit(lambda m: m.pop("lr_scheduler"))(no_scheduler, "")
+    incomplete = _copy_good(corpus, "incomplete_records")
+    _edit(lambda m: m["groups"][0]["tensors"].pop("optim.exp_avg"))(incomplete, "")
+    engine = fresh_engine()
+    scheduler_before = dict(vars(engine.lr_scheduler))
+    engine.load_checkpoint(no_scheduler, load_lr_scheduler_states=False)
+    assert engine.global_steps == 2
+    assert {k: v for k, v in vars(engine.lr_scheduler).items() if k != "optimizer"} == \
+        {k: v for k, v in scheduler_before.items() if k != "optimizer"}
+    engine.load_checkpoint(incomplete, load_optimizer_states=False)
+    with pytest.raises(CheckpointError, match="incomplete optimizer state"):
+        engine.load_checkpoint(incomplete)
+
+
+def test_an_fp16_engine_refuses_a_checkpoint_without_a_loss_scaler_unless_told(corpus, fresh_engine):
+    from hf_zero.checkpoint import CheckpointError
+
+    engine = _engine(seed=1, dtype="fp16")  # fresh_engine: the environment of a single process
+    scale = engine.optimizer.loss_scaler.state_dict()
+    with pytest.raises(CheckpointError, match="holds no fp16 loss scaler state"):
+        engine.load_checkpoint(os.path.join(corpus["root"], "good"))
+    assert engine.global_steps == 0
+    engine.load_checkpoint(os.path.join(corpus["root"], "good"), load_optimizer_states=False)
+    assert engine.global_steps == 2 and engine.optimizer.loss_scaler.state_dict() == scale
+
+
+def _replaced_at_first_read(monkeypatch: pytest.MonkeyPatch, path: str, replacement: str) -> None:
+    """Replace the file at ``path`` (as a re-save does) just before the first read of any tensor."""
+    from hf_zero.checkpoint.reader import RankFiles
+
+    original, replaced = RankFiles.read, []
+
+    def read(self, *args, **kwargs):
+        if not replaced:
+            replaced.append(path)
+            os.replace(replacement, path)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(RankFiles, "read", read)
+
+
+def test_a_rank_file_replaced_after_its_check_is_never_read(corpus, fresh_engine, tmp_path, monkeypatch):
+    from hf_zero.checkpoint import CheckpointError, export_hf_model
+
+    other = fresh_engine()
+    _train(other, range(3, 5))
+    other.save_checkpoint(str(tmp_path / "other"))  # global_step2 too: a re-save of the same tag
+    for name in ("load", "export"):
+        shutil.copy(tmp_path / "other" / TAG / RANK0, tmp_path / f"{name}.safetensors")
+    # A load reads through the handles opened when each file was verified: the data it applies is
+    # the data checked, whatever now sits at the path.
+    loaded = _copy_good(corpus, "replaced_during_load")
+    with monkeypatch.context() as patch:
+        _replaced_at_first_read(patch, os.path.join(loaded, TAG, RANK0), str(tmp_path / "load.safetensors"))
+        engine = fresh_engine()
+        engine.load_checkpoint(loaded)
+    assert _state_digest(engine, rng=False) == corpus["saved"]
+    # Export unmaps a file after each parameter; a file opened again must be the one verified.
+    exported = _copy_good(corpus, "replaced_during_export")
+    with monkeypatch.context() as patch:
+        _replaced_at_first_read(patch, os.path.join(exported, TAG, RANK0), str(tmp_path / "export.safetensors"))
+        with pytest.raises(CheckpointError, match="changed during the load"):
+            export_hf_model(exported, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 # ------------------------------------------------------------------ on every rank
 TWO_RANK_CASES = ("latest_dotdot", "tag_folder_symlink_out", "manifest_names_etc_passwd", "format_1_no_checksums",
-                  "scheduler_dtype_load", "lr_text", "step_negative", "optim_dtype_bf16", "client_state_200_deep")
+                  "scheduler_dtype_load", "lr_text", "step_negative", "optim_dtype_bf16", "client_state_200_deep",
+                  "scheduler_gamma_nan", "scheduler_missing", "exp_avg_missing")
 
 
 def _two_ranks(root: str) -> dict[str, Any]:

@@ -10,8 +10,13 @@ checked: the file is the one the manifest lists at that rank (not swapped, not f
 save), the header's dtype and shape are the manifest's, the bytes hash to the recorded digest
 (flipped bytes, swapped offsets, data from elsewhere), and parameters and optimizer state are
 finite (a run that diverged before it saved). Every error names the file, the tensor and what
-differed. Verifying reads the data once more than loading does (the page cache usually serves
-the second read). Whether data must be verified is the reader's decision, never the file's: a
+differed. A file is verified and read through one open: its header and the bytes hashed are
+read from one handle, and the safetensors handle the data is read through is opened while that
+one is held and is checked to be the same file (device and inode), so a file replaced between
+the two (a re-save of the same tag, which publishes new files) is refused as changed during the
+load instead of read unverified. A load opens every file it reads before it applies anything.
+Verifying reads the data once more than loading does (the page cache usually serves the second
+read). Whether data must be verified is the reader's decision, never the file's: a
 tensor the manifest records no digest for (format 1) is refused unless the caller passed
 ``allow_unverified=True``, and even then its values are checked to be finite. Each file's path
 is resolved inside the checkpoint folder before it is looked at (see [Note: confined paths]).
@@ -30,7 +35,7 @@ from safetensors import safe_open
 from hf_zero.checkpoint.errors import CheckpointError, CheckpointNotFoundError
 from hf_zero.checkpoint.manifest import BUFFER_PREFIX, MANIFEST_NAME
 from hf_zero.checkpoint.paths import is_plain_name, resolve_inside
-from hf_zero.checkpoint.safetensors_io import TAG_DTYPES, read_header_and_data_start
+from hf_zero.checkpoint.safetensors_io import TAG_DTYPES, read_open_header
 
 logger = logging.getLogger("hf_zero")
 _VERIFY_CHUNK_BYTES = 16 << 20  # a multiple of every element size
@@ -44,9 +49,9 @@ def _nonfinite(path: str, name: str) -> CheckpointError:
 class RankFiles:
     """The rank files of one checkpoint. :meth:`check` verifies tensors of a file against the
     manifest (see [Note: verified loads]); :meth:`read` returns a slice of one tensor without
-    reading the rest (``safe_open(...).get_slice``). Handles stay open until :meth:`close`:
-    export closes them after every parameter so that no more than one parameter's pages stay
-    mapped."""
+    reading the rest (``safe_open(...).get_slice``). Handles stay open until :meth:`close`;
+    export calls :meth:`unmap` after every parameter so that no more than one parameter's pages
+    stay mapped."""
 
     def __init__(self, ckpt_dir: str, manifest: Mapping[str, Any], allow_unverified: bool = False) -> None:
         self.ckpt_dir = ckpt_dir
@@ -57,7 +62,9 @@ class RankFiles:
         self.headers: dict[int, dict[str, dict]] = {}
         self._data_start: dict[int, int] = {}
         self._verified: set[tuple[int, str]] = set()
-        self._open: dict[int, Any] = {}
+        self._held: dict[int, Any] = {}  # index -> the open file verified through
+        self._identity: dict[int, tuple[int, int]] = {}  # index -> (device, inode) of that file
+        self._open: dict[int, Any] = {}  # index -> the safetensors handle data is read through
 
     def path(self, index: int) -> str:
         files = self.manifest["files"]
@@ -105,19 +112,28 @@ class RankFiles:
     def _check_file(self, index: int, path: str) -> dict[str, dict]:
         if not os.path.isfile(path):
             raise CheckpointNotFoundError(f"{path}: rank file missing (the checkpoint is incomplete or was moved in part)")
-        recorded = self.manifest["files"][index]["bytes"]
-        size = os.path.getsize(path)
-        if size != recorded:
-            raise CheckpointError(f"{path}: {size} bytes on disk, the manifest records {recorded}: the file is truncated or was replaced")
         try:
-            header, metadata, data_start = read_header_and_data_start(path)
-            safe_open(path, framework="pt", device="cpu")  # the reader used later accepts it too
+            handle = open(path, "rb")
+        except OSError as exc:
+            raise CheckpointError(f"{path}: cannot be opened ({exc.strerror or exc})") from exc
+        self._held[index] = handle
+        status = os.fstat(handle.fileno())
+        self._identity[index] = (status.st_dev, status.st_ino)
+        recorded = self.manifest["files"][index]["bytes"]
+        if status.st_size != recorded:
+            raise CheckpointError(f"{path}: {status.st_size} bytes on disk, the manifest records {recorded}: the file is "
+                                  "truncated or was replaced")
+        try:
+            header, metadata, data_start = read_open_header(handle, status.st_size)
+            self._open[index] = safe_open(path, framework="pt", device="cpu")  # the reader accepts it too
         except Exception as exc:  # safetensors raises its own error types for a bad header
             raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from exc
+        self._check_unchanged(index, path)
         if metadata.get("save_id") != self.manifest["save_id"]:
             raise CheckpointError(
                 f"{path}: written by another save (save id {metadata.get('save_id')!r}, the manifest's is "
-                f"{self.manifest['save_id']!r}): files from different checkpoints were mixed"
+                f"{self.manifest['save_id']!r}): files from different checkpoints were mixed, or the checkpoint was "
+                "saved again while it was read (then load it again)"
             )
         count = len(self.manifest["files"])
         if metadata.get("rank") != str(index) or metadata.get("world_size", str(count)) != str(count):
@@ -170,32 +186,56 @@ class RankFiles:
         check_finite = check_finite and dtype.is_floating_point
         lo, hi = spec["data_offsets"]
         digest, finite = hashlib.sha256(), True
-        with open(path, "rb") as handle:
-            handle.seek(self._data_start[index] + lo)
-            remaining = hi - lo
-            while remaining > 0:
-                chunk = handle.read(min(remaining, _VERIFY_CHUNK_BYTES))
-                if not chunk:
-                    break
-                digest.update(chunk)
-                remaining -= len(chunk)
-                if check_finite and finite:
-                    finite = bool(torch.isfinite(torch.frombuffer(bytearray(chunk), dtype=dtype)).all())
+        handle = self._held[index]
+        handle.seek(self._data_start[index] + lo)
+        remaining = hi - lo
+        while remaining > 0:
+            chunk = handle.read(min(remaining, _VERIFY_CHUNK_BYTES))
+            if not chunk:
+                break
+            digest.update(chunk)
+            remaining -= len(chunk)
+            if check_finite and finite:
+                finite = bool(torch.isfinite(torch.frombuffer(bytearray(chunk), dtype=dtype)).all())
         return digest.hexdigest(), finite
+
+    def _check_unchanged(self, index: int, path: str) -> None:
+        """The file at ``path`` is still the one verified (see [Note: verified loads])."""
+        try:
+            status = os.stat(path)
+            now = (status.st_dev, status.st_ino)
+        except OSError:
+            now = None
+        if now != self._identity[index]:
+            raise CheckpointError(f"{path}: changed during the load (the checkpoint was saved again or replaced while "
+                                  "it was read); nothing of it was used: load it again once the save has finished")
 
     def dtype(self, index: int, name: str) -> torch.dtype:
         return TAG_DTYPES[self.headers[index][name]["dtype"]]
 
     def read(self, index: int, name: str, lo: int | None = None, hi: int | None = None) -> torch.Tensor:
+        """Elements ``[lo, hi)`` (or all) of a tensor of a checked file, from the file checked."""
         handle = self._open.get(index)
         if handle is None:
-            handle = self._open[index] = safe_open(self.path(index), framework="pt", device="cpu")
+            if index not in self._identity:
+                raise CheckpointError(f"{self.path(index)}: read before it was checked")
+            path = self.path(index)
+            handle = self._open[index] = safe_open(path, framework="pt", device="cpu")
+            self._check_unchanged(index, path)
         if lo is None:
             return handle.get_tensor(name)
         return handle.get_slice(name)[lo:hi]
 
-    def close(self) -> None:
+    def unmap(self) -> None:
+        """Drop the mapped handles (the pages read stay resident while a file is mapped); the
+        files verified stay open, so a later read is checked to come from them."""
         self._open.clear()
+
+    def close(self) -> None:
+        self.unmap()
+        for handle in self._held.values():
+            handle.close()
+        self._held.clear()
 
 
 def check_every_tensor(files: RankFiles, indices: Iterable[int]) -> None:

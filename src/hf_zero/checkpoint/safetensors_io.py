@@ -17,7 +17,7 @@ import json
 import os
 import struct
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
+from typing import BinaryIO, Callable, Iterable, Iterator
 
 import torch
 
@@ -161,15 +161,20 @@ def read_header(path: str) -> tuple[dict[str, dict], dict[str, str]]:
 
 def read_header_and_data_start(path: str) -> tuple[dict[str, dict], dict[str, str], int]:
     """:func:`read_header`, and where the data starts (tensor offsets count from there)."""
-    size = os.path.getsize(path)
     with open(path, "rb") as handle:
-        head = handle.read(8)
-        if len(head) < 8:
-            raise ValueError(f"{size} bytes: too short for a safetensors header")
-        (header_len,) = struct.unpack("<Q", head)
-        if 8 + header_len > size:
-            raise ValueError(f"header of {header_len} bytes runs past the end of the file ({size} bytes)")
-        header = json.loads(handle.read(header_len))
+        return read_open_header(handle, os.fstat(handle.fileno()).st_size)
+
+
+def read_open_header(handle: BinaryIO, size: int) -> tuple[dict[str, dict], dict[str, str], int]:
+    """:func:`read_header_and_data_start` of a file already open (``size`` bytes long)."""
+    handle.seek(0)
+    head = handle.read(8)
+    if len(head) < 8:
+        raise ValueError(f"{size} bytes: too short for a safetensors header")
+    (header_len,) = struct.unpack("<Q", head)
+    if 8 + header_len > size:
+        raise ValueError(f"header of {header_len} bytes runs past the end of the file ({size} bytes)")
+    header = json.loads(handle.read(header_len))
     if not isinstance(header, dict):
         raise ValueError("its header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
