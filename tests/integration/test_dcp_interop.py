@@ -434,6 +434,19 @@ def test_the_cli_converts_as_the_calls_do(plain, tmp_path, capsys):
     assert all(torch.equal(read_tensor(call.tensors[k]), read_tensor(cli.tensors[k])) for k in call.tensors)
 
 
+def test_the_import_warns_once_that_tensor_data_is_unchecked(plain, tmp_path, caplog):
+    """DCP writes no checksums, so the import says that it could not check the tensor bytes."""
+    import logging
+
+    from hf_zero.checkpoint import import_dcp_checkpoint
+
+    with caplog.at_level(logging.WARNING, logger="hf_zero"):
+        import_dcp_checkpoint(plain["dcp"], str(tmp_path / "out"), model=tiny_gpt2(seed=1))
+    unchecked = [r for r in caplog.records if "tensor data is imported unchecked" in r.getMessage()]
+    assert len(unchecked) == 1 and plain["dcp"] in unchecked[0].getMessage(), caplog.text
+    assert "carries no checksums" in unchecked[0].getMessage()
+
+
 def test_frozen_parameters_and_parameters_without_state_yet(tmp_path):
     """A parameter in no param group is imported frozen; one in a group that has no state yet
     (it never had a gradient) gets zero moments and step 0, as torch's AdamW would start it."""

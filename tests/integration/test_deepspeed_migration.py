@@ -221,6 +221,46 @@ def test_a_file_with_another_class_is_refused_by_name(runs, tmp_path, value, nam
     assert not os.path.exists(out) or not os.listdir(out)
 
 
+def test_a_flipped_byte_in_tensor_data_is_refused_naming_the_file_and_member(runs, tmp_path):
+    """torch.load(mmap=True) checks no CRC-32: the import does, for every member of every file.
+    (The fixture's intact copies import: ``runs["written"]``.)"""
+    import zipfile
+
+    from hf_zero.checkpoint import CheckpointError, import_deepspeed_checkpoint
+
+    copy = _copy(runs, tmp_path)
+    path = os.path.join(_tag_dir(copy), "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    with zipfile.ZipFile(path) as archive:
+        member = max((i for i in archive.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    with open(path, "r+b") as handle:  # a stored member: its bytes follow the 30-byte header, name and extra field
+        handle.seek(member.header_offset + 26)
+        name_len, extra_len = int.from_bytes(handle.read(2), "little"), int.from_bytes(handle.read(2), "little")
+        handle.seek(member.header_offset + 30 + name_len + extra_len + member.file_size // 2)
+        byte = handle.read(1)[0]
+        handle.seek(-1, os.SEEK_CUR)
+        handle.write(bytes([byte ^ 0x10]))
+    out = str(tmp_path / "out")
+    with pytest.raises(CheckpointError, match="the file is damaged: member ") as error:
+        import_deepspeed_checkpoint(copy, out)
+    assert f"{path}: the file is damaged: member {member.filename} fails its CRC-32" in str(error.value)
+    assert not os.path.exists(out) or not os.listdir(out)
+
+
+def test_deepspeeds_pickles_are_far_below_the_scan_limits(runs):
+    """The bounds of [Note: DeepSpeed's pickles] leave a margin of 1000x over what DeepSpeed writes."""
+    import io
+    import pickletools
+
+    from hf_zero.checkpoint import deepspeed_files as F
+
+    for name in D.DS_RUNS:
+        tag_dir = _tag_dir(os.path.join(runs["root"], name))
+        for file in sorted(os.listdir(tag_dir)):
+            data = F._pickle_bytes(os.path.join(tag_dir, file))
+            opcodes = sum(1 for _ in pickletools.genops(io.BytesIO(data)))
+            assert 1000 * len(data) < F._MAX_PICKLE_BYTES and 1000 * opcodes < F._MAX_PICKLE_OPCODES, (file, len(data))
+
+
 def _nan_in_master(tag_dir: str) -> None:
     path = os.path.join(tag_dir, "zero_pp_rank_1_mp_rank_00_optim_states.pt")
     groups = lambda s: s["optimizer_state_dict"]["single_partition_of_fp32_groups"]  # noqa: E731

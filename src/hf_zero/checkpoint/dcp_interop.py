@@ -50,6 +50,9 @@ import reads the format itself:
   a tensor of the recorded dtype and shape, finite, and overlap no other chunk (with the sizes
   adding up, the chunks then tile the tensor exactly).
 
+DCP writes no checksums, so a flipped byte inside tensor data cannot be detected: each import
+logs one warning that the tensor data is unchecked (only its dtype, shape and finiteness are).
+
 Names, shapes and the optimizer's kind are compared with the model and param groups before
 anything is written; chunks are read and checked as they are written, into a temporary
 folder published only when complete, as a save is ([Note: atomic save]).
@@ -627,11 +630,14 @@ def import_dcp_checkpoint(dcp_dir: str | os.PathLike[str], out_dir: str | os.Pat
     ``import_deepspeed_checkpoint``. Returns the checkpoint directory written. A folder that is
     not what it claims raises :class:`CheckpointError` naming the file, optimizer state other
     than Adam/AdamW :class:`NotImplementedError`; nothing is written then (see [Note: reading
-    a DCP folder]).
+    a DCP folder]). Logs one warning that the tensor data is unchecked: DCP keeps no checksums.
     """
     dcp_dir, out_dir = os.path.abspath(os.fspath(dcp_dir)), os.path.abspath(os.fspath(out_dir))
     _check_import_target(dcp_dir, out_dir, optimizer_class)
     plan = plan_import(read_layout(read_dcp_folder(dcp_dir)), model)
+    logger.warning("hf_zero: %s: the tensor data is imported unchecked: a DCP folder carries no checksums, so "
+                   "flipped bytes inside a tensor cannot be detected (dtypes, shapes and finiteness are checked)",
+                   dcp_dir)
     global_steps = max(plan.steps.values(), default=0)
     tag = f"global_step{global_steps}" if tag is None else str(tag)
     entries, records = _trainable_part(plan, optimizer_class)
@@ -732,7 +738,7 @@ def _export_state(files: RankFiles, manifest: dict[str, Any], hyper: list[dict[s
         for position, slot in enumerate(record["slots"]):
             name = slot["name"]
             model_sd[name] = _assembled(files, saved, record, name, PARAM_KEY)
-            files.close()
+            files.unmap()
             if not record["trainable"]:
                 continue
             if not 0 <= record["param_group"] < len(hyper):
@@ -742,7 +748,7 @@ def _export_state(files: RankFiles, manifest: dict[str, Any], hyper: list[dict[s
             moments = {k: _assembled(files, saved, record, name, OPTIM_PREFIX + k) if _optim_keys(record)
                        else torch.zeros(slot["shape"], dtype=torch.float32) for k in ADAM_MOMENTS}
             state[name] = {"step": torch.tensor(float(steps[position])), **moments}
-            files.close()
+            files.unmap()
     for alias, canonical in manifest["model"].get("aliases", {}).items():
         model_sd[alias] = model_sd[canonical]
     for buf in manifest["model"].get("buffers", []):

@@ -25,6 +25,19 @@ accepts ``(object, "module.name")`` pairs), so a second, independent unpickler e
 same list, and DeepSpeed itself is never imported: it need not be installed. A stand-in holds
 the plain state its pickle carried and runs no code of the class it stands for.
 
+The scan is bounded, as reading a hostile file must be: the pickle is read from the zip in
+chunks and refused past :data:`_MAX_PICKLE_BYTES` (checked on the zip header first, then while
+reading, as a header can lie), and ``genops`` is stopped past :data:`_MAX_PICKLE_OPCODES`
+opcodes or :data:`_MAX_SCAN_SECONDS` seconds. Unbounded, 400 MB of no-op opcodes (which
+deflate to a file of 0.4 MB) kept the scan busy for minutes. DeepSpeed's own pickles are a few
+KB to a few MB (about 4 bytes an opcode), far below every limit.
+
+``torch.load(mmap=True)`` maps the tensor data straight from the file and checks none of the
+zip's CRC-32s, so before it runs every member is read once to its end through ``zipfile``,
+which checks each member's CRC-32 there: flipped bytes are refused naming the file and the
+member. A compressed member other than the pickle is refused too: ``torch.save`` stores every
+member, and a mapped one would be read as its compressed bytes, which the CRC does not cover.
+
 Paths follow [Note: confined paths]: ``latest`` must hold a plain tag name, and every file is
 resolved inside the folder before it is opened.
 """
@@ -36,7 +49,9 @@ import os
 import pickle
 import pickletools
 import re
+import time
 import zipfile
+import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -51,7 +66,17 @@ from hf_zero.checkpoint.safetensors_io import DTYPE_TAGS
 MODEL_STATES = "mp_rank_00_model_states.pt"  # stages 0-2: one file for every rank
 STAGE3_MODEL_STATES = "zero_pp_rank_{rank}_mp_rank_00_model_states.pt"  # stage 3: one per rank
 OPTIM_STATES = "{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"  # prefix "" or "bf16_"
-_MAX_PICKLE_BYTES = 1 << 30  # the pickle holds structure, not tensor data; DeepSpeed's is a few KB
+# The bounds of [Note: DeepSpeed's pickles]. A pickle holds structure, not tensor data: DeepSpeed's
+# are 2-8 KB (~1,600 opcodes) for a tiny model and well under a few MB for the largest (names and
+# shapes of every parameter), at about 4 bytes an opcode. 64 MiB and 8M opcodes (32 MiB of such a
+# pickle) leave a margin of 10x over that; a scan stopped at the opcode limit takes 5-10 s on one core.
+# The time limit is for a slow or loaded machine, where even that could take minutes; the clock is
+# read every 64K opcodes (~50 ms of scanning).
+_MAX_PICKLE_BYTES = 64 << 20
+_MAX_PICKLE_OPCODES = 1 << 23
+_MAX_SCAN_SECONDS = 20.0
+_SCAN_CLOCK_EVERY = 1 << 16
+_READ_CHUNK_BYTES = 1 << 20  # a member is read (and its CRC-32 checked) this much at a time
 
 
 class DeepSpeedRecord:
@@ -105,29 +130,95 @@ _TORCH_GLOBALS = (
 ALLOWED_GLOBALS: frozenset[str] = frozenset(_TORCH_GLOBALS) | frozenset(_DEEPSPEED_STAND_INS)
 
 
+def _not_deepspeeds(path: str, found: str) -> CheckpointError:
+    return CheckpointError(f"{path}: {found}; this file is not a DeepSpeed checkpoint file as DeepSpeed writes it "
+                           "(with torch.save), so it is refused unread. If it is one, re-save it with DeepSpeed")
+
+
+def _read_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo, path: str, max_bytes: int | None = None,
+                 keep: bool = False) -> bytes:
+    """Member ``info`` read to its end a chunk at a time, so that zipfile checks its CRC-32
+    without the member in memory; its bytes when ``keep``. Refused past ``max_bytes`` read
+    (the header's size is checked by the caller, but a header can lie)."""
+    chunks, read_bytes = [], 0
+    try:
+        with archive.open(info) as member:
+            while chunk := member.read(_READ_CHUNK_BYTES):
+                read_bytes += len(chunk)
+                if max_bytes is not None and read_bytes > max_bytes:
+                    raise _not_deepspeeds(path, f"its pickle {info.filename} decompresses to more than {max_bytes} "
+                                                "bytes (the limit; DeepSpeed's are a few KB to a few MB)")
+                if keep:
+                    chunks.append(chunk)
+    except zipfile.BadZipFile as exc:
+        if "CRC" not in str(exc):
+            raise
+        raise CheckpointError(f"{path}: the file is damaged: member {info.filename} fails its CRC-32; copy the "
+                              "checkpoint again from where DeepSpeed saved it") from exc
+    return b"".join(chunks)
+
+
+_ZIP_ERRORS = (zipfile.BadZipFile, zlib.error, EOFError, OSError, RuntimeError, ValueError)  # RuntimeError: encrypted
+
+
+def _not_a_zip(path: str, exc: BaseException) -> CheckpointError:
+    return CheckpointError(f"{path}: not a torch.save zip file ({type(exc).__name__}: {exc}); only checkpoints "
+                           "written by torch >= 1.6 (DeepSpeed's format) are read")
+
+
 def _pickle_bytes(path: str) -> bytes:
-    """The pickle of a ``torch.save`` zip file (``<archive>/data.pkl``)."""
+    """The pickle of a ``torch.save`` zip file (``<archive>/data.pkl``), bounded and CRC-checked
+    (see [Note: DeepSpeed's pickles])."""
     try:
         with zipfile.ZipFile(path) as archive:
             members = [info for info in archive.infolist() if info.filename.endswith("/data.pkl")]
             if len(members) != 1:
                 raise CheckpointError(f"{path}: holds {len(members)} pickles (data.pkl), not the one torch.save writes")
             if members[0].file_size > _MAX_PICKLE_BYTES:
-                raise CheckpointError(f"{path}: its pickle is {members[0].file_size} bytes, more than a DeepSpeed "
-                                      "checkpoint's structure takes")
-            return archive.read(members[0])
-    except (zipfile.BadZipFile, OSError, RuntimeError, ValueError) as exc:  # RuntimeError: an encrypted member
-        raise CheckpointError(f"{path}: not a torch.save zip file ({type(exc).__name__}: {exc}); only "
-                              "checkpoints written by torch >= 1.6 (DeepSpeed's format) are read") from exc
+                raise _not_deepspeeds(path, f"its pickle {members[0].filename} is {members[0].file_size} bytes, "
+                                            f"more than the limit of {_MAX_PICKLE_BYTES} (DeepSpeed's are a few KB "
+                                            "to a few MB)")
+            return _read_member(archive, members[0], path, max_bytes=_MAX_PICKLE_BYTES, keep=True)
+    except CheckpointError:  # a RuntimeError too: not to be taken for zipfile's (an encrypted member)
+        raise
+    except _ZIP_ERRORS as exc:
+        raise _not_a_zip(path, exc) from exc
+
+
+def verify_members(path: str) -> None:
+    """Read every member of a ``torch.save`` zip file once, so zipfile checks each CRC-32, and
+    refuse a compressed member but the pickle (see [Note: DeepSpeed's pickles]). Costs one read
+    of the whole file, a chunk at a time."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            for info in archive.infolist():
+                is_pickle = info.filename.endswith("/data.pkl")
+                if info.compress_type != zipfile.ZIP_STORED and not is_pickle:
+                    raise _not_deepspeeds(path, f"its member {info.filename} is compressed (torch.save stores every "
+                                                "member; torch.load(mmap=True) would read its compressed bytes as "
+                                                "tensor values)")
+                _read_member(archive, info, path, max_bytes=_MAX_PICKLE_BYTES if is_pickle else None)
+    except CheckpointError:  # a RuntimeError too: not to be taken for zipfile's (an encrypted member)
+        raise
+    except _ZIP_ERRORS as exc:
+        raise _not_a_zip(path, exc) from exc
 
 
 def pickled_globals(data: bytes, path: str) -> list[str]:
     """Every global the pickle ``data`` names, in order (parsed, never executed). An opcode that
     names a global from the stack (``STACK_GLOBAL``, ``INST``...) is refused: torch.save never
-    writes one and the weights-only unpickler does not read one."""
+    writes one and the weights-only unpickler does not read one. The scan stops past
+    :data:`_MAX_PICKLE_OPCODES` opcodes or :data:`_MAX_SCAN_SECONDS` (see [Note: DeepSpeed's pickles])."""
     found: list[str] = []
+    deadline = time.monotonic() + _MAX_SCAN_SECONDS
     try:
-        for opcode, arg, _pos in pickletools.genops(io.BytesIO(data)):
+        for count, (opcode, arg, _pos) in enumerate(pickletools.genops(io.BytesIO(data)), 1):
+            if count > _MAX_PICKLE_OPCODES:
+                raise _not_deepspeeds(path, f"its pickle holds more than {_MAX_PICKLE_OPCODES} opcodes (the limit; "
+                                            "DeepSpeed's hold thousands)")
+            if count % _SCAN_CLOCK_EVERY == 0 and time.monotonic() > deadline:
+                raise _not_deepspeeds(path, f"scanning its pickle took more than {_MAX_SCAN_SECONDS:g} s (the limit; "
+                                            f"{count} opcodes read)")
             if opcode.name == "GLOBAL":
                 found.append(str(arg).replace(" ", "."))
             elif opcode.name in ("STACK_GLOBAL", "INST", "OBJ", "EXT1", "EXT2", "EXT4"):
@@ -153,8 +244,10 @@ def check_globals(path: str) -> None:
 
 def load_deepspeed_file(path: str) -> Any:
     """One DeepSpeed checkpoint file, read as [Note: DeepSpeed's pickles] says; tensors are
-    memory-mapped from the file, not copied."""
+    memory-mapped from the file, not copied, after every member's CRC-32 is checked (one more
+    read of the whole file)."""
     check_globals(path)
+    verify_members(path)
     stand_ins = [(obj, name) for name, obj in _DEEPSPEED_STAND_INS.items()]
     try:
         with torch.serialization.safe_globals(stand_ins):

@@ -39,8 +39,10 @@ there), ``global_steps``, ``global_samples`` and ``client_state``.
 Not carried over: RNG states (DeepSpeed saves none), the data sampler and random-LTD states,
 checkpoints with tensor or pipeline parallelism or MoE experts, and optimizers other than
 Adam/AdamW (no other state is read; AMSGrad, ``maximize`` and ``bias_correction=False`` are
-refused). The rank file is streamed a slice at a time and every value is checked finite as it
-is written; the folder is published only when complete (as a save is: [Note: atomic save]).
+refused). The CRC-32 of every zip member of every file is checked before the file is read
+([Note: DeepSpeed's pickles]). The rank file is streamed a slice at a time and every value is
+checked finite as it is written; the folder is published only when complete (as a save is:
+[Note: atomic save]).
 """
 
 from __future__ import annotations
@@ -691,6 +693,10 @@ def import_deepspeed_checkpoint(ds_dir: str | os.PathLike[str], out_dir: str | o
     ``hf_zero.initialize`` (the Trainer's). Returns the checkpoint directory written. Raises
     :class:`CheckpointError` naming the file for anything the checkpoint holds that is not
     DeepSpeed's (see [Note: DeepSpeed's pickles]) or does not add up; nothing is written then.
+
+    Every file is read once in full before it is converted, to check the CRC-32 of each zip
+    member (``torch.load(mmap=True)`` checks none): the import reads the DeepSpeed folder twice,
+    the first time at disk speed, and the second mostly from the page cache when it fits in memory.
     """
     ds_dir, out_dir = os.path.abspath(os.fspath(ds_dir)), os.path.abspath(os.fspath(out_dir))
     check_conversion_target(ds_dir, out_dir, optimizer_class, "DeepSpeed",
