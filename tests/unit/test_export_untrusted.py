@@ -118,6 +118,8 @@ def _tie_in(alias: str, canonical: str) -> Edit:
     def edit(manifest: dict[str, Any]) -> None:
         for group in manifest["groups"]:
             group["slots"] = [s for s in group["slots"] if s["name"] != alias]
+        # the alias's group (its own unit) goes with it: a group without slots holds nothing
+        manifest["groups"] = [group for group in manifest["groups"] if group["slots"]]
         manifest["model"]["aliases"][alias] = canonical
     return edit
 
@@ -149,7 +151,7 @@ CASES: dict[str, tuple[str, Edit, list[str]]] = {
     "buffer_shape_negative": ("llama", _buffer("float32", [-1]),
                               ["model.buffers[0].shape is [-1], not a list of sizes"]),
     "slot_shape_wrong_size": ("llama", lambda m: _slot(LLAMA_MLP)(m).__setitem__("shape", [16, 38]),
-                              [f"({LLAMA_MLP!r}): shape [16, 38] does not hold its 592 elements"]),
+                              [f"({LLAMA_MLP!r}) has numel 592, its shape [16, 38] holds 608"]),
     "name_twice": ("llama", _alias("model.norm.weight", "lm_head.weight"),
                    ["'model.norm.weight' is recorded more than once"]),
     "transposed_weight": ("llama", _transpose(LLAMA_MLP),
@@ -167,6 +169,10 @@ CASES: dict[str, tuple[str, Edit, list[str]]] = {
     "config_of_a_million_layers": ("llama", _config("num_hidden_layers", 10**6),
                                    ["model.config does not build a LlamaForCausalLM", "more than"]),
     "config_of_another_width": ("llama", _config("hidden_size", 32), ["do not match the LlamaForCausalLM"]),
+    "model_type_of_another_model": ("gpt2", _config("model_type", "llama"),
+                                    ["model_type 'llama', but its class GPT2LMHeadModel is a 'gpt2' model"]),
+    "model_type_unknown": ("llama", _config("model_type", "nonsense"),
+                           ["model_type 'nonsense', but its class LlamaForCausalLM is a 'llama' model"]),
 }
 
 
@@ -230,6 +236,27 @@ def test_a_model_changed_after_it_was_built_exports_when_the_caller_says_so(save
 
     with safe_open(os.path.join(tmp_path / "out", "model.safetensors"), framework="pt") as f:
         assert "model.final_norm.weight" in set(f.keys())
+
+
+@pytest.mark.parametrize("model,model_type,phrase", [
+    ("llama", "nonsense", "does not load with AutoConfig"),
+    ("gpt2", "llama", "loads as a LlamaConfig, not the GPT2Config of GPT2LMHeadModel"),
+])
+def test_a_previous_export_stays_until_the_new_one_loads(saved, tmp_path, model, model_type, phrase):
+    """Issue 46: with the model check skipped, a config that AutoConfig cannot load, or loads as
+    another model's, is still refused before the swap: the previous export stays byte for byte,
+    and no staging folder is left."""
+    save_dir = _edited(saved, model, _config("model_type", model_type), str(tmp_path))
+    previous = str(tmp_path / "previous")
+    shutil.copytree(saved[f"{model}_export"], previous)
+    before = _snapshot(previous)
+    with pytest.raises(CheckpointError, match=phrase) as refused:
+        export_hf_model(save_dir, previous, check_model=False)
+    assert "the previous export there is untouched" in str(refused.value)
+    assert _snapshot(previous) == before
+    with pytest.raises(CheckpointError, match="nothing was written"):
+        export_hf_model(save_dir, tmp_path / "new", check_model=False)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "previous"]
 
 
 @pytest.mark.parametrize("name", ["MyLlama", "__import__", "os", "load_tf_weights_in_gpt2", "PretrainedConfig"])

@@ -149,14 +149,14 @@ class _Streamer:
                 data = self.files.read(piece.file_index, tensor_name(piece.label, PARAM_KEY), piece.src_lo, piece.src_hi)
                 out[piece.dst_lo:piece.dst_hi].copy_(data)
         finally:
-            self.files.close()  # unmap: the pages read stay resident while a file is mapped
+            self.files.unmap()  # the pages read stay resident while a file is mapped
         return out.view(slot.shape)
 
     def buffer(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         try:
             return self.files.read(0, BUFFER_PREFIX + name).to(dtype)
         finally:
-            self.files.close()
+            self.files.unmap()
 
 
 def _plan_entries(manifest: dict[str, Any], streamer: _Streamer, dtype: torch.dtype) -> list[TensorEntry]:
@@ -430,6 +430,13 @@ def check_against_model(manifest: dict[str, Any], path: str) -> None:
         logger.warning("hf_zero: export cannot check the checkpoint's parameter names and shapes against a model "
                        "definition (%s); they are written as %s records them", why, path)
         return
+    named, expected = model["config"].get("model_type"), getattr(cls.config_class, "model_type", "")
+    if expected and named != expected:
+        raise CheckpointError(
+            f"{path}: model.config names model_type {named!r}, but its class {cls.__name__} is a {expected!r} model: "
+            "the manifest was edited or damaged, and the folder written would not load with AutoModel; nothing "
+            "was written"
+        )
     saved = _saved_state(manifest)
     # A build registers each parameter once (a tied one twice): 4x the checkpoint's names and a
     # margin stop only a config that describes a far larger model.
@@ -470,6 +477,33 @@ def _write_config(out_dir: str, manifest: dict[str, Any], dtype: torch.dtype) ->
     _write_json(os.path.join(out_dir, "config.json"), config)
     if model.get("generation_config"):
         _write_json(os.path.join(out_dir, "generation_config.json"), model["generation_config"])
+
+
+def _check_config_loads(staging: str, out_dir: str, manifest: dict[str, Any]) -> None:
+    """The config written loads with ``AutoConfig`` as the config of the class named (checked in
+    the staging folder, so a previous export stays in place when it does not)."""
+    if manifest["model"].get("config") is None:
+        return
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        return
+    cls, _ = _model_class(manifest["model"]["class"])
+    try:
+        with _quiet_transformers():
+            config = AutoConfig.from_pretrained(staging, trust_remote_code=False)
+    except Exception as exc:  # transformers' own code on values from a file: any error is the file's
+        raise CheckpointError(
+            f"export to {out_dir}: the config.json written does not load with AutoConfig ({type(exc).__name__}: "
+            f"{exc!s:.300}); the manifest's model.config was edited or damaged; "
+            f"{'the previous export there is untouched' if os.path.isdir(out_dir) else 'nothing was written'}"
+        ) from exc
+    if cls is not None and not isinstance(config, cls.config_class):
+        raise CheckpointError(
+            f"export to {out_dir}: the config.json written loads as a {type(config).__name__}, not the "
+            f"{cls.config_class.__name__} of {cls.__name__}; the manifest's model.config was edited or damaged; "
+            f"{'the previous export there is untouched' if os.path.isdir(out_dir) else 'nothing was written'}"
+        )
 
 
 def _write_json(path: str, data: Any) -> None:
@@ -525,6 +559,7 @@ def export_hf_model(
     try:
         with staged_directory(out_dir, _produced_by_export) as staging:
             _write_export(staging, shards, manifest, torch_dtype)
+            _check_config_loads(staging, out_dir, manifest)
     except OSError as exc:  # a full disk, a read-only mount: see [Note: staged export]
         raise CheckpointError(
             f"export to {out_dir} failed: {exc.strerror or exc} ({type(exc).__name__}); "
@@ -540,7 +575,10 @@ def export_hf_model(
 def _checked_manifest(source: str, allow_unverified: bool, check_model: bool) -> dict[str, Any]:
     """The manifest, refused before anything is written unless what export reads from it holds
     (see [Note: manifest names are data])."""
-    manifest = read_manifest(source, allow_unverified)
+    try:
+        manifest = read_manifest(source, allow_unverified)
+    except CheckpointError as exc:
+        raise type(exc)(f"{exc}; nothing was written") from exc
     path = os.path.join(source, MANIFEST_NAME)
     check_export_manifest(manifest, path)
     if check_model:
