@@ -86,6 +86,7 @@ from hf_zero.config.live import live_zero3_config
 from hf_zero.engine.schedule.buckets import IN_PLACE_NUMEL
 from hf_zero.engine.policy import BUCKETS_IN_FLIGHT
 from hf_zero.partition import ROOT_UNIT_NAME, build_flat_layout, is_persistent, plan_units
+from hf_zero.skeleton import SkeletonTooLargeError, parameter_limit
 
 COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 ADAM_STATE_BYTES = 8
@@ -445,9 +446,26 @@ def estimate_model_states(
     return estimates
 
 
+# A config is a file from anywhere: one edited to 2,000,000 layers would build for hours. The
+# largest published models have a few hundred layers and under 100,000 parameter tensors.
+MAX_SKELETON_LAYERS = 10_000
+MAX_SKELETON_PARAMETERS = 1_000_000
+
+
+def _check_skeleton_size(config: Any) -> None:
+    for part in (config, config.get_text_config()):  # a multimodal config keeps its layers in its text part
+        layers = getattr(part, "num_hidden_layers", None)
+        if isinstance(layers, int) and layers > MAX_SKELETON_LAYERS:
+            raise SkeletonTooLargeError(
+                f"the config describes {layers} layers (num_hidden_layers), more than {MAX_SKELETON_LAYERS:,}: "
+                "the config was edited or damaged; nothing was built")
+
+
 def meta_model(source: str | os.PathLike[str] | Mapping[str, Any], dtype: torch.dtype | None = None) -> nn.Module:
     """A Hugging Face model built from its config on the meta device (shapes only), in ``dtype``
-    when given (else transformers' default)."""
+    when given (else transformers' default). A config of more than ``MAX_SKELETON_LAYERS``
+    layers is refused before the build, and a build is stopped past ``MAX_SKELETON_PARAMETERS``
+    parameter tensors (:class:`SkeletonTooLargeError`, a ``ValueError``)."""
     import transformers
     from transformers import AutoConfig
 
@@ -459,18 +477,22 @@ def meta_model(source: str | os.PathLike[str] | Mapping[str, Any], dtype: torch.
         config = AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
     else:
         config = AutoConfig.from_pretrained(os.fspath(source))
+    _check_skeleton_size(config)
     classes = [getattr(transformers, name, None) for name in (getattr(config, "architectures", None) or [])]
     classes += [transformers.AutoModelForCausalLM, transformers.AutoModel]
     last_error: Exception | None = None
     # While a stage-3 config is alive, from_config builds on the meta device by itself (sharded
     # initialisation), and inside a meta device context it would fail drawing its seed.
-    with contextlib.nullcontext() if live_zero3_config() is not None else torch.device("meta"):
+    with (contextlib.nullcontext() if live_zero3_config() is not None else torch.device("meta"),
+          parameter_limit(MAX_SKELETON_PARAMETERS, "beyond any published model: the config was edited or damaged")):
         for cls in classes:
             if cls is None:
                 continue
             try:
                 build = cls.from_config if hasattr(cls, "from_config") else cls._from_config
                 return build(config) if dtype is None else build(config, dtype=dtype)
+            except SkeletonTooLargeError:
+                raise
             except (ValueError, KeyError) as error:
                 last_error = error
     raise ValueError(f"no transformers model class builds config {type(config).__name__}: {last_error}")

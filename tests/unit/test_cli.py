@@ -216,3 +216,27 @@ def test_an_unreadable_latest_is_a_checkpoint_error(tmp_path, monkeypatch) -> No
     monkeypatch.setattr(builtins, "open", refusing)
     with pytest.raises(CheckpointError, match="latest: cannot be read \\(Permission denied\\); make it readable"):
         read_latest(str(tmp_path), str(tmp_path))
+
+
+@pytest.mark.parametrize("layers,parameter_limit,words", [
+    (2_000_000, None, "describes 2000000 layers (num_hidden_layers), more than 10,000"),
+    (2, 20, "more than 20 parameter tensors"),  # a 2-layer Llama registers 21: the build is stopped
+], ids=["layers", "parameter-tensors"])
+def test_estimate_refuses_a_huge_skeleton_in_one_line_within_seconds(layers, parameter_limit, words, tmp_path,
+                                                                     capsys, monkeypatch) -> None:
+    """Issue 46: a --model config describing a model far beyond any trained one is refused before
+    (layers) or while (parameter tensors) it is built on the meta device, not built for hours."""
+    import time
+
+    from hf_zero import cli, estimator
+
+    if parameter_limit is not None:
+        monkeypatch.setattr(estimator, "MAX_SKELETON_PARAMETERS", parameter_limit)
+    config = {"model_type": "llama", "hidden_size": 8, "intermediate_size": 8, "num_attention_heads": 2,
+              "num_key_value_heads": 2, "vocab_size": 16, "num_hidden_layers": layers}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    started = time.monotonic()
+    assert cli.main(["estimate", "--model", str(tmp_path / "config.json")]) == 1
+    assert time.monotonic() - started < 60
+    err = capsys.readouterr().err
+    assert words in err and len(err.strip().splitlines()) == 1, err

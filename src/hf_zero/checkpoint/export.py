@@ -39,6 +39,7 @@ from hf_zero.checkpoint.reader import RankFiles, check_every_tensor
 from hf_zero.checkpoint.reshard import SavedSlot, index_saved_slots, plan_pieces
 from hf_zero.checkpoint.safetensors_io import TensorEntry, write_safetensors
 from hf_zero.checkpoint.staging import staged_directory
+from hf_zero.skeleton import parameter_limit
 
 logger = logging.getLogger("hf_zero")
 
@@ -328,25 +329,6 @@ def _shape_config(value: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _parameter_budget(limit: int) -> Iterator[None]:
-    """Stop a build that registers more parameters than the checkpoint could account for: a config
-    edited to a million layers would otherwise build for hours before the comparison refuses it."""
-    count = 0
-
-    def count_one(module: nn.Module, name: str, param: Any) -> None:
-        nonlocal count
-        count += 1
-        if count > limit:
-            raise ValueError(f"the config describes more than {limit} parameters, far more than the checkpoint holds")
-
-    handle = nn.modules.module.register_module_parameter_registration_hook(count_one)
-    try:
-        yield
-    finally:
-        handle.remove()
-
-
-@contextlib.contextmanager
 def _quiet_transformers() -> Iterator[None]:
     """The skeleton is built for its names only: the config warnings were shown when the model was built."""
     from transformers.utils import logging as hf_logging
@@ -364,7 +346,8 @@ def _quiet_transformers() -> Iterator[None]:
 def _skeleton(cls: type[nn.Module], config: dict[str, Any], limit: int, path: str) -> nn.Module:
     """The model ``config`` describes, on the meta device (no memory for its weights)."""
     try:
-        with _quiet_transformers(), _parameter_budget(limit), torch.device("meta"):
+        budget = parameter_limit(limit, "far more than the checkpoint holds")
+        with _quiet_transformers(), budget, torch.device("meta"):
             return cls._from_config(cls.config_class.from_dict(_shape_config(config)))  # type: ignore[attr-defined]
     except Exception as exc:  # transformers' own code on values from a file: any error is the file's
         raise CheckpointError(
