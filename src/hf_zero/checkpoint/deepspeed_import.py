@@ -61,7 +61,7 @@ from hf_zero.checkpoint.deepspeed_files import (
     DeepSpeedFolder, DynamicLossScalerRecord, LossScalerRecord, find_files, is_deepspeed_checkpoint,
     load_deepspeed_file, plain_ordered,
 )
-from hf_zero.checkpoint.errors import CheckpointError
+from hf_zero.checkpoint.errors import CheckpointError, listed
 from hf_zero.checkpoint.manifest import (
     BUFFER_PREFIX, FORMAT, FORMAT_VERSION, OPTIM_PREFIX, PARAM_KEY, check_plain_json, check_tag,
     describe_model, encode_state, persistent_buffers, tensor_name,
@@ -564,7 +564,7 @@ def check_against_model(ds: DeepSpeedCheckpoint, model: nn.Module) -> None:
     problems += [f"buffer {n} is {tuple(t.shape)} in the checkpoint, {tuple(buffers[n].shape)} in the model"
                  for n, t in ds.buffers.items() if n in buffers and buffers[n].shape != t.shape]
     if problems:
-        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        shown = listed(problems, 5)
         raise CheckpointError(f"{ds.folder.tag_dir}: the DeepSpeed checkpoint holds a different model than the "
                               f"{type(model).__name__} given ({len(problems)} mismatches): {shown}")
 

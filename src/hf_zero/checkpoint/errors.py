@@ -9,3 +9,8 @@ class CheckpointError(RuntimeError):
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """The checkpoint directory, tag, ``latest`` file or a rank file does not exist."""
+
+
+def listed(problems: list[str], most: int) -> str:
+    """The first ``most`` problems joined by '; ', then how many more there are."""
+    return "; ".join(problems[:most]) + (f"; and {len(problems) - most} more" if len(problems) > most else "")

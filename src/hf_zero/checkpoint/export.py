@@ -30,7 +30,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from hf_zero.checkpoint.errors import CheckpointError
+from hf_zero.checkpoint.errors import CheckpointError, listed
 from hf_zero.checkpoint.manifest import (
     BUFFER_PREFIX, MANIFEST_NAME, PARAM_KEY, STATE_DTYPES, manifest_errors, parameter_aliases, persistent_buffers,
     read_manifest, resolve_checkpoint_dir, tensor_name,
@@ -210,8 +210,7 @@ def _is_shape(value: Any) -> bool:
 
 
 def _listed(items: list[str]) -> str:
-    more = len(items) - _MAX_LISTED
-    return "; ".join(items[:_MAX_LISTED]) + (f"; and {more} more" if more > 0 else "")
+    return listed(items, _MAX_LISTED)
 
 
 def _slot_problems(groups: list[dict[str, Any]]) -> list[str]:

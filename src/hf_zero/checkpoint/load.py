@@ -28,7 +28,7 @@ import torch
 
 from hf_zero.checkpoint.deepspeed_import import refuse_deepspeed_checkpoint
 from hf_zero.checkpoint.engine_state import EngineState, flat_groups
-from hf_zero.checkpoint.errors import CheckpointError
+from hf_zero.checkpoint.errors import CheckpointError, listed
 from hf_zero.checkpoint.manifest import (
     BUFFER_PREFIX, MANIFEST_NAME, OPTIM_PREFIX, PARAM_KEY, capture_rng, decode_state, manifest_errors,
     optimizer_value_on, param_group_of, persistent_buffers, read_manifest, resolve_checkpoint_dir, restore_rng,
@@ -95,7 +95,7 @@ def _check_same_model(engine: EngineState, saved: dict[str, SavedSlot], saved_cl
                  for n, shape in current.items() if n in saved and saved[n].shape != shape]
     problems += [f"{n} {s.shape} is in the checkpoint, not in the model" for n, s in saved.items() if n not in current]
     if problems:
-        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        shown = listed(problems, 5)
         raise CheckpointError(
             f"{manifest_path}: the checkpoint holds a different model (saved from a {saved_class}, this engine "
             f"wraps a {type(engine.module).__name__}; {len(problems)} mismatches): {shown}"
@@ -145,8 +145,8 @@ def _check_records(engine: EngineState, saved: dict[str, SavedSlot], manifest: d
     problems = record_problems(manifest, engine.optimizer.inner, indices)
     if problems:
         raise CheckpointError(
-            f"{manifest_path}: incomplete optimizer state (edited by hand or damaged): {'; '.join(problems[:5])}"
-            f"{f'; and {len(problems) - 5} more' if len(problems) > 5 else ''}. Load another checkpoint, or "
+            f"{manifest_path}: incomplete optimizer state (edited by hand or damaged): {listed(problems, 5)}. "
+            "Load another checkpoint, or "
             "load with load_optimizer_states=False"
         )
 
@@ -228,9 +228,9 @@ def _decode_run_state(engine: EngineState, manifest: dict[str, Any], load_optimi
     scheduler = None
     if load_scheduler and engine.lr_scheduler is not None:
         if saved_scheduler is None:
-            raise CheckpointError(f"{manifest_path}: the checkpoint holds no lr_scheduler state, and the engine has a "
-                             f"{type(engine.lr_scheduler).__name__}; load with load_lr_scheduler_states=False to "
-                             "keep the scheduler as it is, or load a checkpoint saved with a scheduler")
+            raise CheckpointError(f"{manifest_path}: the checkpoint holds no lr_scheduler state, and the engine has "
+                                  f"a {type(engine.lr_scheduler).__name__}; load with load_lr_scheduler_states=False "
+                                  "to keep the scheduler as it is, or load a checkpoint saved with a scheduler")
         if saved_scheduler["class"] != type(engine.lr_scheduler).__name__:
             logger.warning("hf_zero: loading %s state into a %s", saved_scheduler["class"], type(engine.lr_scheduler).__name__)
         scheduler = decode_state(saved_scheduler["state"], "lr_scheduler.state")
@@ -238,9 +238,10 @@ def _decode_run_state(engine: EngineState, manifest: dict[str, Any], load_optimi
     saved_scaler = manifest.get("loss_scaler")
     live_scaler = engine.optimizer.loss_scaler if engine.optimizer is not None else None
     if load_optimizer and live_scaler is not None and saved_scaler is None:
-        raise CheckpointError(f"{manifest_path}: the checkpoint holds no fp16 loss scaler state (it was saved without fp16 loss scaling), "
-                         "and this engine scales its loss; load with load_optimizer_states=False to start the scale "
-                         "afresh, or train with the precision the checkpoint was saved with")
+        raise CheckpointError(f"{manifest_path}: the checkpoint holds no fp16 loss scaler state (it was saved "
+                              "without fp16 loss scaling), and this engine scales its loss; load with "
+                              "load_optimizer_states=False to start the scale afresh, or train with the precision "
+                              "the checkpoint was saved with")
     scaler = decode_state(saved_scaler["state"], "loss_scaler.state") if saved_scaler is not None else None
     rng = manifest.get("rng") or []
     counters = (manifest["global_steps"], manifest["micro_steps"], manifest["global_samples"])  # checked ints
@@ -252,9 +253,9 @@ def _check_scheduler_state(engine: EngineState, saved: Any, manifest_path: str) 
     problems = scheduler_state_problems(saved, engine.lr_scheduler, len(engine.optimizer.param_groups)
                                         if engine.optimizer is not None else 0)
     if problems:
-        raise CheckpointError(f"{manifest_path}: invalid lr_scheduler state (edited by hand or damaged, or saved by another scheduler): "
-                         f"{'; '.join(problems[:6])}{f'; and {len(problems) - 6} more' if len(problems) > 6 else ''}; "
-                         f"load with load_lr_scheduler_states=False, or use the scheduler it was saved with")
+        raise CheckpointError(f"{manifest_path}: invalid lr_scheduler state (edited by hand or damaged, or saved by "
+                              f"another scheduler): {listed(problems, 6)}; load with load_lr_scheduler_states=False, "
+                              "or use the scheduler it was saved with")
 
 
 def _try_state(what: str, manifest_path: str, current: Any, apply: Callable[[Any], None], saved: Any,

@@ -21,7 +21,7 @@ from typing import Any, Iterator, Mapping
 import torch
 from torch import nn
 
-from hf_zero.checkpoint.errors import CheckpointError, CheckpointNotFoundError
+from hf_zero.checkpoint.errors import CheckpointError, CheckpointNotFoundError, listed
 from hf_zero.checkpoint.paths import is_plain_name, resolve_inside
 from hf_zero.checkpoint.safetensors_io import DTYPE_TAGS
 from hf_zero.partition import PARAM_ALIGNMENT, round_up
@@ -475,7 +475,7 @@ def read_manifest(ckpt_dir: str, allow_unverified: bool = False) -> dict[str, An
     check_format_version(manifest["format_version"], path, allow_unverified)
     problems = structure_problems(manifest)
     if problems:
-        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        shown = listed(problems, 5)
         raise CheckpointError(f"{path}: malformed manifest (edited by hand or damaged): {shown}")
     return manifest
 

@@ -30,7 +30,7 @@ from typing import Any, Mapping
 
 import torch
 
-from hf_zero.checkpoint.errors import CheckpointError
+from hf_zero.checkpoint.errors import CheckpointError, listed
 from hf_zero.checkpoint.manifest import OPTIM_PREFIX, decode_state
 from hf_zero.checkpoint.safetensors_io import DTYPE_TAGS
 
@@ -230,7 +230,7 @@ def check_run_state(manifest: Mapping[str, Any], manifest_path: str, counters: b
     """One :class:`CheckpointError` naming the manifest and every invalid key, or nothing."""
     problems = run_state_problems(manifest, counters, optimizer_groups)
     if problems:
-        shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+        shown = listed(problems, 8)
         raise CheckpointError(
             f"{manifest_path}: invalid run state (edited by hand or damaged): {shown}. Load another checkpoint, "
             "or leave the damaged part out (load_optimizer_states=False, or load_module_only=True)"
