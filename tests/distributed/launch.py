@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import time
 import traceback
 from typing import Any, Callable
 
@@ -68,6 +69,7 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
         WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+        **{_SPAWN_FOLDER_ENV: out_dir},
     )
     torch.set_num_threads(1)
     path = os.path.join(out_dir, f"rank{rank}.json")
@@ -122,12 +124,47 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, skip_teardown: bo
         return results
 
 
-def in_group(world: int, port: int, phase: Callable[[str], Any], root: str) -> Any:
+# [Note: a port when the group forms]
+# A free port is free when it is asked for, not minutes later: ports from ``free_port`` are in the
+# ephemeral range, where every gloo connection of the cases before also takes its local port, so a
+# list of ports chosen before a spawn's first case had one taken by the time a later case listened
+# on it (EADDRINUSE, 18 errors in one run). ``in_group`` therefore has rank 0 choose the port as
+# each group forms and hand it to the other ranks through a file in the spawn's own folder; every
+# rank counts the groups it has passed, those it skips included, so the k-th call on each rank
+# reads the k-th port.
+_SPAWN_FOLDER_ENV = "HF_ZERO_TEST_SPAWN_FOLDER"
+_groups_formed: dict[str, int] = {}  # spawn folder -> in_group calls so far on this rank
+PORT_WAIT_S = 600.0
+
+
+def _port_for_next_group() -> int:
+    folder = os.environ[_SPAWN_FOLDER_ENV]
+    index = _groups_formed.get(folder, 0)
+    _groups_formed[folder] = index + 1
+    path = os.path.join(folder, f"group{index}.port")
+    if int(os.environ["RANK"]) == 0:
+        port = free_port()
+        with open(path + ".partial", "w") as f:
+            f.write(str(port))
+        os.replace(path + ".partial", path)  # whole or absent to a reader
+        return port
+    deadline = time.monotonic() + PORT_WAIT_S
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 chose no port for group {index} in {PORT_WAIT_S:.0f} s")
+        time.sleep(0.01)
+    with open(path) as f:
+        return int(f.read())
+
+
+def in_group(world: int, phase: Callable[[str], Any], root: str) -> Any:
     """Run ``phase(root)`` in a fresh default process group of the first ``world`` processes (the
     others skip it and return None): one spawn serves several world sizes, so the interpreters
-    and their imports are paid once. ``hf_zero.initialize`` joins the group from the environment."""
+    and their imports are paid once. ``hf_zero.initialize`` joins the group from the environment,
+    on a port chosen as the group forms ([Note: a port when the group forms])."""
     import torch.distributed as dist
 
+    port = _port_for_next_group()
     if int(os.environ["RANK"]) >= world:
         return None
     os.environ.update(WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), MASTER_PORT=str(port))

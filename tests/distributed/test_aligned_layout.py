@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.distributed import scenarios as S
-from tests.distributed.launch import free_port, in_group, run_distributed
+from tests.distributed.launch import in_group, run_distributed
 from tests.distributed.parity_checks import max_param_diff
 
 GLOBAL_ROWS = 6  # 3 ranks x 2 rows, 2 ranks x 3 rows: the same global batch at both sizes
@@ -116,14 +116,14 @@ def _phase_world2(root: str) -> dict[str, Any]:
     return out
 
 
-def _all_phases(root: str, ports: list[int]) -> dict[str, Any]:
-    return {"w3": in_group(3, ports[0], _phase_world3, root), "w2": in_group(2, ports[1], _phase_world2, root)}
+def _all_phases(root: str) -> dict[str, Any]:
+    return {"w3": in_group(3, _phase_world3, root), "w2": in_group(2, _phase_world2, root)}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[dict[str, Any]]]:
     root = str(tmp_path_factory.mktemp("aligned"))
-    per_rank = run_distributed(_all_phases, 3, root, [free_port() for _ in range(2)])
+    per_rank = run_distributed(_all_phases, 3, root)
     return {3: [r["w3"] for r in per_rank], 2: [r["w2"] for r in per_rank[:2]]}
 
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from tests.distributed import scenarios as S
-from tests.distributed.launch import free_port, in_group, run_distributed
+from tests.distributed.launch import in_group, run_distributed
 from tests.tiny_models import batch_for_step
 
 FP32_ATOL = 1e-5
@@ -343,18 +343,18 @@ def _phase_world2_again(root: str) -> dict[str, Any]:
     }
 
 
-def _all_phases(root: str, ports: list[int]) -> dict[str, Any]:
+def _all_phases(root: str) -> dict[str, Any]:
     return {
-        "w2": in_group(2, ports[0], _phase_world2, root),
-        "w3": in_group(3, ports[1], _phase_world3, root),
-        "w2again": in_group(2, ports[2], _phase_world2_again, root),
+        "w2": in_group(2, _phase_world2, root),
+        "w3": in_group(3, _phase_world3, root),
+        "w2again": in_group(2, _phase_world2_again, root),
     }
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = str(tmp_path_factory.mktemp("checkpoints"))
-    per_rank = run_distributed(_all_phases, 3, root, [free_port() for _ in range(3)])
+    per_rank = run_distributed(_all_phases, 3, root)
     return {
         "root": root,
         2: [r["w2"] for r in per_rank[:2]],

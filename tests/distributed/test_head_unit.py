@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.distributed import scenarios as S
-from tests.distributed.launch import free_port, in_group, run_distributed
+from tests.distributed.launch import in_group, run_distributed
 
 STEPS = 3
 REUSE_DISTANCES = (0, 1e9)
@@ -80,20 +80,18 @@ def _train(fused: bool, reuse_distance: float) -> dict[str, Any]:
             "root_params": [name for group in root.groups for name in (s.name for s in group.layout.slots)]}
 
 
-def _every_case(ports: list[int]) -> dict[str, Any]:
-    """Every case of this file on one spawn, each in a fresh 2-rank group on its own port."""
+def _every_case() -> dict[str, Any]:
+    """Every case of this file on one spawn, each in a fresh 2-rank group."""
     cases = [(f"train-{fused}-{reuse}", lambda _, f=fused, r=reuse: _train(f, r))
              for reuse in REUSE_DISTANCES for fused in (False, True)]
     cases += [(f"dpo-{prefetch}", lambda _, p=prefetch: _train_dpo_shaped(p)) for prefetch in PREFETCHES]
-    assert len(cases) == len(ports)
-    return {name: in_group(2, port, phase, "") for (name, phase), port in zip(cases, ports)}
+    return {name: in_group(2, phase, "") for name, phase in cases}
 
 
 @pytest.fixture(scope="module")
 def runs() -> dict[str, list[Any]]:
     """Each case's per-rank results."""
-    ports = [free_port() for _ in range(2 * len(REUSE_DISTANCES) + len(PREFETCHES))]
-    ranks = run_distributed(_every_case, 2, ports)
+    ranks = run_distributed(_every_case, 2)
     return {name: [rank[name] for rank in ranks] for name in ranks[0]}
 
 

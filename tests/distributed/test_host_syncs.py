@@ -18,7 +18,7 @@ import pytest
 
 from hf_zero.execution import CHECK_ENV
 from tests.distributed import scenarios as S
-from tests.distributed.launch import free_port, in_group, run_distributed
+from tests.distributed.launch import in_group, run_distributed
 
 CASES = {
     **{f"s{stage}-{dtype}": dict(model="gpt2", stage=stage, dtype=dtype)
@@ -61,8 +61,8 @@ def _count(case: dict[str, Any]) -> dict[str, Any]:
             "asking": asking.by_place(), "norm": norm, "steps": engine.global_steps}
 
 
-def _every_case(ports: list[int]) -> dict[str, Any]:
-    return {name: in_group(2, port, lambda _, c=case: _count(c), "") for (name, case), port in zip(CASES.items(), ports)}
+def _every_case() -> dict[str, Any]:
+    return {name: in_group(2, lambda _, c=case: _count(c), "") for name, case in CASES.items()}
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,7 @@ def counted() -> dict[str, list[dict[str, Any]]]:
     # snapshot on the host: the checking mode's own reads, not the engine's.
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(CHECK_ENV, "0")
-        ranks = run_distributed(_every_case, 2, [free_port() for _ in CASES])
+        ranks = run_distributed(_every_case, 2)
     return {name: [rank[name] for rank in ranks] for name in CASES}
 
 

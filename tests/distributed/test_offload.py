@@ -502,18 +502,16 @@ def _ckpt_world1(root: str) -> dict[str, Any]:
     }
 
 
-def _ckpt_phases(root: str, ports: list[int]) -> dict[str, Any]:
+def _ckpt_phases(root: str) -> dict[str, Any]:
     from tests.distributed.launch import in_group
 
     os.makedirs(NVME_DIR, exist_ok=True)
-    return {"w2": in_group(2, ports[0], _ckpt_world2, root), "w1": in_group(1, ports[1], _ckpt_world1, root)}
+    return {"w2": in_group(2, _ckpt_world2, root), "w1": in_group(1, _ckpt_world1, root)}
 
 
 @pytest.fixture(scope="module")
 def checkpoint_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    from tests.distributed.launch import free_port
-
-    return run_distributed(_ckpt_phases, 2, str(tmp_path_factory.mktemp("nvme_ckpt")), [free_port(), free_port()])
+    return run_distributed(_ckpt_phases, 2, str(tmp_path_factory.mktemp("nvme_ckpt")))
 
 
 def _continues(resumed: dict[str, Any], reference: dict[str, Any]) -> None:

@@ -15,7 +15,7 @@ import torch
 from hf_zero.engine.optim.muon import muon_param_groups
 from hf_zero.engine.optim.whole_param_step import assign_owners
 from tests.distributed import scenarios as S
-from tests.distributed.launch import free_port, in_group, run_distributed
+from tests.distributed.launch import in_group, run_distributed
 from tests.tiny_models import batch_for_step
 
 LR = 2e-2  # not torch.optim.Adafactor's default (1e-2), so a config lr that is not passed on shows
@@ -64,20 +64,19 @@ def _reference(world: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Ten
     return start, {n: p.detach().reshape(-1) for n, p in model.named_parameters()}
 
 
-def _every_case(ports: list[int], root: str) -> dict[str, Any]:
+def _every_case(root: str) -> dict[str, Any]:
     """Every distributed case of this file, in order (the save before the resume that reads it)."""
     cases = [(f"adafactor-{world}", world, lambda _, w=world: _train_all(w)) for world in (2, 3)]
     cases += [(f"muon-{world}", world, lambda _, w=world: _train_muon(w)) for world in (2, 3)]
     cases += [("torch-muon", 2, lambda _: _initialize_with_torch_muon(2)),
               ("save", 2, lambda r: _save_after_two_steps(2, r)), ("resume", 3, lambda r: _resume_third_step(3, r))]
-    assert len(cases) == len(ports)
-    return {name: in_group(world, port, phase, root) for (name, world, phase), port in zip(cases, ports)}
+    return {name: in_group(world, phase, root) for name, world, phase in cases}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any]]:
     """Each case's results, one per rank of its world."""
-    ranks = run_distributed(_every_case, 3, [free_port() for _ in range(7)], str(tmp_path_factory.mktemp("whole")))
+    ranks = run_distributed(_every_case, 3, str(tmp_path_factory.mktemp("whole")))
     return {name: [rank[name] for rank in ranks if rank[name] is not None] for name in ranks[0]}
 
 

@@ -245,6 +245,6 @@ def _hf_zero_group(world: int) -> Callable[[str], list[dict[str, Any]]]:
     return phase
 
 
-def hf_zero_phases(root: str, ports: list[int]) -> dict[str, Any]:
+def hf_zero_phases(root: str) -> dict[str, Any]:
     """Each world size's resumes (keys are strings: the results travel as JSON)."""
-    return {str(world): in_group(world, port, _hf_zero_group(world), root) for world, port in zip(RESUMES, ports)}
+    return {str(world): in_group(world, _hf_zero_group(world), root) for world in RESUMES}

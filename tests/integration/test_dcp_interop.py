@@ -33,7 +33,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from tests.distributed.launch import free_port, in_group, run_distributed
+from tests.distributed.launch import in_group, run_distributed
 from tests.tiny_models import learnable_batch, tiny_gpt2, tiny_llama
 
 TOL = 1e-5  # see [Note: interop tolerance]
@@ -211,20 +211,20 @@ def convert_phase(root: str) -> dict[str, str]:
     }
 
 
-def every_phase(root: str, ports: list[int]) -> dict[str, Any]:
+def every_phase(root: str) -> dict[str, Any]:
     """All phases on one spawn; ranks outside a phase's world skip it (``in_group``)."""
     phases = [("hf_zero_saved", HF_ZERO_SAVE[0], hf_zero_save_phase),
               ("fsdp2_saved", FSDP2_WORLD, fsdp2_save_phase),
               ("converted", 1, convert_phase),
               *((f"hf_zero_resumed.w{w}s{s}.{c}", w, hf_zero_resume_phase(s, c)) for w, s, c in HF_ZERO_RESUMES),
               ("fsdp2_resumed", FSDP2_WORLD, fsdp2_resume_phase)]
-    return {name: in_group(world, port, phase, root) for (name, world, phase), port in zip(phases, ports)}
+    return {name: in_group(world, phase, root) for name, world, phase in phases}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = str(tmp_path_factory.mktemp("dcp_interop"))
-    results = run_distributed(every_phase, SPAWNED, root, [free_port() for _ in range(4 + len(HF_ZERO_RESUMES))])
+    results = run_distributed(every_phase, SPAWNED, root)
     return {"root": root, **results[0]}
 
 

@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.distributed.launch import free_port, run_distributed
+from tests.distributed.launch import run_distributed
 from tests.integration import deepspeed_migration_driver as D
 from tests.tiny_models import BUILDERS
 
@@ -61,7 +61,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     # for a torch AdamW passed to hf_zero.initialize (the Trainer's)
     import_deepspeed_checkpoint(os.path.join(root, "ds_s3_gpt2"), D.import_dir(root, "ds_s3_gpt2", "torch"),
                                 optimizer_class="AdamW")
-    per_rank = run_distributed(D.hf_zero_phases, 3, root, [free_port() for _ in D.RESUMES])
+    per_rank = run_distributed(D.hf_zero_phases, 3, root)
     resumes = [r for world in D.RESUMES for r in per_rank[0][str(world)]]
     return {"root": root, "deepspeed": deepspeed, "written": written, "resumes": resumes,
             "all_ranks": per_rank}
