@@ -646,7 +646,10 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
 
 _FORMATTER = _Formatter
 _LAUNCH_HELP = ("accelerate launch with an hf_zero: section in --config_file (or --zero_config z.json); "
-                "every other argument goes to accelerate launch unchanged")
+                "every other argument goes to accelerate launch unchanged. With the deepspeed launcher's flags "
+                "instead (--num_gpus, --num_nodes, --hostfile, --include/--exclude, --master_addr/--master_port, "
+                "--no_ssh --node_rank R), torchrun on each node of this machine, the script's --deepspeed ds.json "
+                "read as its ZeRO config")
 
 
 def _version() -> str:
@@ -694,9 +697,26 @@ def build_parser() -> argparse.ArgumentParser:
     launch = sub.add_parser("launch", help=_LAUNCH_HELP, description=_LAUNCH_HELP)
     launch.add_argument("--config_file", help="an accelerate yaml, optionally with an hf_zero: section")
     launch.add_argument("--zero_config", help="a DeepSpeed-style JSON config (instead of the yaml section)")
+    _add_deepspeed_launcher_flags(launch)
     launch.add_argument("script_and_args", nargs=argparse.REMAINDER,
                         help="accelerate launch options, the script and its arguments")
     return parser
+
+
+def _add_deepspeed_launcher_flags(launch: argparse.ArgumentParser) -> None:
+    """The deepspeed launcher's flags hf_zero.launcher takes, for ``--help`` (``main`` hands the
+    command line to the launcher before any parsing)."""
+    from hf_zero.launcher import FLAG_HELP, SWITCHES, VALUE_FLAGS
+
+    group = launch.add_argument_group("the deepspeed launcher's flags (instead of accelerate's; docs/deepspeed-migration.md)")
+    for dest, help_text in FLAG_HELP.items():
+        names = [flag for flag, d in {**VALUE_FLAGS, **SWITCHES}.items() if d == dest]
+        names.sort(key=lambda n: (not n.startswith("--"), n))
+        if dest in SWITCHES.values():
+            group.add_argument(*names, dest=f"ds_{dest}", action="store_true", help=help_text)
+        else:
+            metavar = {"hostfile": "PATH", "include": "HOSTS", "exclude": "HOSTS", "master_addr": "HOST"}.get(dest, "N")
+            group.add_argument(*names, dest=f"ds_{dest}", metavar=metavar, help=help_text)
 
 
 # [Note: one line per expected failure]
@@ -729,9 +749,30 @@ def _remove_if_empty(folder: str | None) -> None:
         os.rmdir(folder)
 
 
+def _deepspeed_launch(argv: list[str]) -> int:
+    import os
+
+    from hf_zero import launcher
+    from hf_zero.run import extract_config_flags
+
+    try:
+        found, _ = extract_config_flags(launcher.parse_args(argv)[1])
+        if not found and not any(os.environ.get(n) for n in ("HF_ZERO_CONFIG", "HF_ZERO_CONFIG_FILE", "HF_ZERO_STAGE")):
+            raise launcher.LaunchError("no ZeRO config: give the script --deepspeed ds.json (or --zero_config ds.json), "
+                                       "or set HF_ZERO_CONFIG")
+        return launcher.launch(argv, dict(os.environ))
+    except launcher.LaunchError as error:
+        print(f"hf-zero launch: {error}", file=sys.stderr)
+        return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["launch"] and argv[1:] not in (["--help"], ["-h"]):
+        from hf_zero.launcher import uses_deepspeed_flags
+
+        if uses_deepspeed_flags(argv[1:]):  # deepspeed's launcher's flags: torchrun per node
+            return _deepspeed_launch(argv[1:])
         return _launch(argv[1:])  # everything after it belongs to accelerate launch or the script
     parser = build_parser()
     args = parser.parse_args(argv)

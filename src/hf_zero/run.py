@@ -6,7 +6,11 @@
     python -m hf_zero.run -m my_package.train --zero_config zero3.json ...
 
 ``--zero_config PATH`` (or ``--zero_config=PATH``) is taken out of the script's arguments and put
-in ``HF_ZERO_CONFIG`` (as an absolute path), so any argument parser in the script is unaffected;
+in ``HF_ZERO_CONFIG`` (as an absolute path), so any argument parser in the script is unaffected.
+DeepSpeed's own flags are taken the same way, so a job script keeps its command line: the
+Trainer's ``--deepspeed PATH`` and DeepSpeed's ``--deepspeed_config PATH`` are read as
+``--zero_config PATH`` (one INFO line says so), and DeepSpeed's bare ``--deepspeed`` switch
+(``deepspeed.add_config_arguments``) is dropped; the runner never starts DeepSpeed itself;
 then :func:`hf_zero.integrations.transformers.enable` patches ``TrainingArguments`` and
 ``Trainer`` in place, :func:`hf_zero.integrations.plain_accelerator.enable` makes a plain
 ``Accelerator(...)`` an hf_zero one ([Note: the runner's Accelerate door]), and the script runs
@@ -17,37 +21,81 @@ error, never as silent DDP. Without ``--zero_config`` and without ``HF_ZERO_CONF
 
 from __future__ import annotations
 
+import logging
 import os
 import runpy
 import sys
 
+logger = logging.getLogger("hf_zero")
+
 USAGE = "usage: python -m hf_zero.run (SCRIPT.py | -m MODULE) [--zero_config CONFIG.json] [script args ...]"
 FLAG = "--zero_config"
+# DeepSpeed's flags for the same file: the Trainer's --deepspeed PATH, deepspeed's --deepspeed_config.
+DEEPSPEED_FLAGS = ("--deepspeed", "--deepspeed_config")
+CONFIG_FLAGS = (FLAG, *DEEPSPEED_FLAGS)
+# Set by hf-zero launch with DeepSpeed's flags (hf_zero.launcher): DeepSpeed's launcher gives the
+# script --local_rank=N first unless --no_local_rank, where torchrun sets only LOCAL_RANK.
+LOCAL_RANK_ARG_ENV = "HF_ZERO_RUN_LOCAL_RANK_ARG"
 
 
-def extract_zero_config(argv: list[str]) -> tuple[str | None, list[str]]:
-    """(the --zero_config value or None, the other arguments in order)."""
-    value: str | None = None
+def _is_deepspeed_switch(argv: list[str], i: int) -> bool:
+    """DeepSpeed's ``--deepspeed`` switch (store_true, from ``deepspeed.add_config_arguments``):
+    nothing or another option after it, where the Trainer's ``--deepspeed`` takes a path."""
+    return argv[i] == "--deepspeed" and (i + 1 >= len(argv) or argv[i + 1].startswith("-"))
+
+
+def extract_config_flags(argv: list[str]) -> tuple[list[tuple[str, str]], list[str]]:
+    """([(flag, value)] for every config flag given, the other arguments in order)."""
+    found: list[tuple[str, str]] = []
     rest: list[str] = []
     i = 0
     while i < len(argv):
         arg = argv[i]
-        if arg == FLAG:
-            if i + 1 >= len(argv):
-                raise SystemExit(f"hf_zero.run: {FLAG} needs a value (a JSON file)\n{USAGE}")
-            value, i = argv[i + 1], i + 2
+        if _is_deepspeed_switch(argv, i):
+            i += 1
             continue
-        if arg.startswith(FLAG + "="):
-            value = arg.split("=", 1)[1]
+        if arg in CONFIG_FLAGS:
+            if i + 1 >= len(argv):
+                raise SystemExit(f"hf_zero.run: {arg} needs a value (a JSON file)\n{USAGE}")
+            found.append((arg, argv[i + 1]))
+            i += 2
+            continue
+        flag, equals, value = arg.partition("=")
+        if flag in CONFIG_FLAGS and equals:
+            if not value:
+                raise SystemExit(f"hf_zero.run: {flag}= needs a value (a JSON file)\n{USAGE}")
+            found.append((flag, value))
         else:
             rest.append(arg)
         i += 1
+    return found, rest
+
+
+def extract_zero_config(argv: list[str]) -> tuple[str | None, list[str]]:
+    """(the config the arguments name or None, the other arguments in order): ``--zero_config``,
+    or DeepSpeed's ``--deepspeed`` / ``--deepspeed_config`` in its place; two that name different
+    configs are an error."""
+    found, rest = extract_config_flags(argv)
+    values = {value if _inline(value) else os.path.abspath(os.path.expanduser(value)) for _, value in found}
+    if len(values) > 1:
+        given = ", ".join(f"{flag} {value}" for flag, value in found)
+        raise SystemExit(f"hf_zero.run: two configs were given ({given}); keep one {FLAG}\n{USAGE}")
+    if not found:
+        return None, rest
+    flag, value = found[0]
+    if flag != FLAG and os.environ.get("RANK", "0") == "0":
+        logger.info("hf_zero.run: %s %s is read as %s %s: hf_zero runs the script's ZeRO, DeepSpeed is not "
+                    "started", flag, value, FLAG, value)
     return value, rest
+
+
+def _inline(value: str) -> bool:
+    return value.lstrip().startswith("{")
 
 
 def _config_value(value: str) -> str:
     """A path becomes absolute (the script may chdir); inline JSON is passed through."""
-    if value.lstrip().startswith("{"):
+    if _inline(value):
         return value
     path = os.path.abspath(os.path.expanduser(value))
     if not os.path.isfile(path):
@@ -64,6 +112,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(USAGE)
     target, script_args = (argv[1], argv[2:]) if as_module else (argv[0], argv[1:])
     value, script_args = extract_zero_config(script_args)
+    if os.environ.pop(LOCAL_RANK_ARG_ENV, None) == "1":  # started by hf-zero launch with DeepSpeed's flags
+        script_args = [f"--local_rank={os.environ.get('LOCAL_RANK', '0')}", *script_args]
     if value is not None:
         from hf_zero.integrations._accelerator import CONFIG_ENV
 

@@ -100,3 +100,29 @@ def test_hf_zero_launch_runs_the_script_through_the_runner() -> None:
         "--num_processes", "2", "-m", "hf_zero.run", "train.py", "--lr", "1"]
     assert _through_runner(["-m", "pkg.train", "--x"]) == ["-m", "hf_zero.run", "-m", "pkg.train", "--x"]
     assert _through_runner(["-m", "hf_zero.run", "train.py"]) == ["-m", "hf_zero.run", "train.py"]
+
+
+def test_the_logged_micro_batch_is_the_training_dataloaders(door: None) -> None:
+    """An eval dataloader of a smaller batch, prepared beside the shuffled training one, is not
+    the micro-batch the config resolves to (DeepSpeedPlugin's smallest-of-all rule logged it)."""
+    import accelerate
+    from tests.tiny_models import batch_for_step, tiny_gpt2
+
+    rows = list(batch_for_step(0, 12))
+    for order in ("train first", "eval first"):
+        accelerator = accelerate.Accelerator()
+        model = tiny_gpt2()
+        train = torch.utils.data.DataLoader(rows, batch_size=3, shuffle=True)
+        evaluation = torch.utils.data.DataLoader(rows, batch_size=2)
+        loaders = (train, evaluation) if order == "train first" else (evaluation, train)
+        accelerator.prepare(model, torch.optim.AdamW(model.parameters()), *loaders)
+        assert accelerator.hf_zero_engine.train_micro_batch_size_per_gpu() == 3, order
+        assert accelerator.hf_zero_engine.config.get_value("train_batch_size") == 3, order
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()

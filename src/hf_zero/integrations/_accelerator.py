@@ -46,7 +46,7 @@ from accelerate.utils import DynamoBackend
 # accelerate.utils exports these only when deepspeed is installed; the module defines them always.
 from accelerate.utils.deepspeed import DummyOptim, DummyScheduler
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 import hf_zero
 from hf_zero.config import HfZeroConfig
@@ -225,17 +225,30 @@ class HfZeroAccelerator(Accelerator):
             "gradient_accumulation_steps": self.gradient_accumulation_steps, "gradient_clipping": 0.0,
             "fp16": self._requested_precision == "fp16", "bf16": self._requested_precision == "bf16",
         }
-        sizes = [a.batch_size for a in args if isinstance(a, DataLoader) and a.batch_size is not None]
-        if sizes:
-            sizes = [s // self.num_processes for s in sizes] if self.split_batches else sizes
-            min_batch = getattr(self.hf_zero_plugin, "is_train_batch_min", True)
-            values["train_micro_batch_size_per_gpu"] = min(sizes) if min_batch else max(sizes)
+        size = self._train_batch_size(args)
+        if size is not None:
+            values["train_micro_batch_size_per_gpu"] = size // self.num_processes if self.split_batches else size
         if isinstance(optimizer, DummyOptim):
             values.update(lr=optimizer.lr, weight_decay=optimizer.weight_decay)
             if isinstance(scheduler, DummyScheduler):
                 values.update(warmup_min_lr=0, warmup_max_lr=optimizer.lr,
                               warmup_num_steps=scheduler.warmup_num_steps, total_num_steps=scheduler.total_num_steps)
         return values
+
+    def _train_batch_size(self, args: tuple[Any, ...]) -> int | None:
+        """The batch size of the dataloader that trains, for an "auto" micro-batch: the one shuffled
+        dataloader (a training sampler) among several, else the first prepared (Accelerate's
+        order: ``prepare(model, optimizer, train_dataloader, eval_dataloader, ...)``). Only when
+        several are shuffled does the plugin's ``is_train_batch_min`` choose, as DeepSpeedPlugin's
+        does for all of them, whose smallest-batch rule logged an eval loader's batch as trained."""
+        loaders = [a for a in args if isinstance(a, DataLoader) and a.batch_size is not None]
+        shuffled = [loader for loader in loaders if isinstance(loader.sampler, RandomSampler)
+                    or isinstance(loader.sampler, DistributedSampler) and loader.sampler.shuffle]
+        if len(shuffled) > 1:
+            sizes = [loader.batch_size for loader in shuffled]
+            return min(sizes) if getattr(self.hf_zero_plugin, "is_train_batch_min", True) else max(sizes)
+        chosen = shuffled or loaders
+        return chosen[0].batch_size if chosen else None
 
     def _build_engine(self, model: nn.Module, optimizer: Any = None, scheduler: Any = None,
                       inference: bool = False, values: dict[str, Any] | None = None) -> ZeroEngine:

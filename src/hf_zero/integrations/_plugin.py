@@ -112,8 +112,9 @@ class HfZeroPlugin:
     zero3_save_16bit_model: bool | None = None
     """stage3_gather_16bit_weights_on_model_save. Env: HF_ZERO_ZERO3_SAVE_16BIT_MODEL."""
     is_train_batch_min: bool = True
-    """With several dataloaders in one prepare(), take the smallest batch size for an "auto"
-    train_micro_batch_size_per_gpu (False: the largest), as DeepSpeedPlugin."""
+    """For an "auto" train_micro_batch_size_per_gpu, the shuffled (training) dataloader of a prepare()
+    gives the batch size; only among several shuffled ones is it the smallest (False: the largest),
+    as DeepSpeedPlugin's rule for all of them."""
     hf_zero_config: HfZeroConfig = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
