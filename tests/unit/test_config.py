@@ -466,6 +466,34 @@ def test_precision_policy(section: dict[str, Any], stage: int, compute: torch.dt
     assert config.reduce_dtype == reduce
 
 
+def test_torch_autocast_keeps_fp32_weights_and_takes_the_precision_asked_for() -> None:
+    """[Note: torch_autocast]: fp32 everywhere but the forward; --bf16 ("auto") means the autocast."""
+    config = HfZeroConfig({"torch_autocast": {"enabled": True}, "bf16": {"enabled": "auto"},
+                           "fp16": {"enabled": "auto"}, "zero_optimization": {"stage": 3}})
+    resolved = config.resolve(bf16=True, fp16=False)
+    assert resolved.autocast_dtype == torch.bfloat16
+    policy = resolved.precision_policy()
+    assert (policy["compute_dtype"], policy["reduce_dtype"], policy["master_dtype"]) == (torch.float32,) * 3
+    assert resolved.get_value("bf16.enabled") is False
+    spelled = HfZeroConfig({"torch_autocast": {"enabled": True, "dtype": "BFloat16"}})
+    assert spelled.autocast_dtype == torch.bfloat16
+    assert HfZeroConfig({"torch_autocast": {"enabled": False, "dtype": "float16"}}).autocast_dtype is None
+    with pytest.raises(HfZeroConfigError, match="float16 was asked for .*train with --bf16"):
+        config.resolve(fp16=True)
+
+
+@pytest.mark.parametrize(("section", "message"), [
+    ({"bf16": {"enabled": True}}, "bf16.enabled = True: cannot be enabled with torch_autocast"),
+    ({"fp16": {"enabled": True}}, "fp16.enabled = True: cannot be enabled with torch_autocast"),
+    ({"torch_autocast": {"enabled": True, "dtype": "half"}}, "float16 autocast needs a loss scale"),
+    ({"torch_autocast": {"enabled": True, "dtype": "fp32"}}, "autocast to float32 changes nothing"),
+    ({"torch_autocast": {"enabled": True, "dtype": "int8"}}, "torch_autocast.dtype = 'int8': must be one of"),
+])
+def test_torch_autocast_refuses_what_it_cannot_be(section: dict[str, Any], message: str) -> None:
+    with pytest.raises(HfZeroConfigError, match=message):
+        HfZeroConfig({"torch_autocast": {"enabled": True}, **section} if "torch_autocast" not in section else section)
+
+
 def test_loss_scaling_policy() -> None:
     dynamic = HfZeroConfig({"fp16": {"enabled": True, "initial_scale_power": 12}}).precision_policy()["loss_scaling"]
     assert dynamic == {"mode": "dynamic", "initial_scale": 4096.0, "window": 1000, "hysteresis": 2, "consecutive_hysteresis": False, "min_scale": 1.0}

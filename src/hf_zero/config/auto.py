@@ -196,6 +196,16 @@ def _check_arguments(world_size: int | None, hidden_size: int | None, values: di
     return problems
 
 
+def _precision_as_autocast(values: dict[str, Any], problems: ProblemList) -> dict[str, Any]:
+    """The precision a Trainer or Accelerate asks for, under torch_autocast: bf16 is the autocast,
+    so fp16/bf16 "auto" fill with false ([Note: torch_autocast] in hf_zero_config.py)."""
+    if values.get("fp16"):
+        problems.add("torch_autocast.enabled", True, "float16 was asked for (--fp16, mixed_precision='fp16'), and "
+                     "float16 autocast needs a loss scale, which hf_zero's torch_autocast does not have yet",
+                     "train with --bf16 (autocast to bfloat16), or turn torch_autocast off for the fp16 section")
+    return {**values, **{name: False for name in ("fp16", "bf16") if name in values}}
+
+
 def resolve_dict(
     root: dict[str, Any],
     *,
@@ -206,6 +216,8 @@ def resolve_dict(
 ) -> tuple[dict[str, Any], ProblemList, str | None]:
     """Return (resolved copy, problems, batch note). `root` is left unchanged."""
     problems = _check_arguments(world_size, hidden_size, values)
+    if get_path(root, "torch_autocast.enabled", False) is True:
+        values = _precision_as_autocast(values, problems)
     if problems:
         return root, problems, None
     resolved = copy.deepcopy(root)

@@ -238,6 +238,23 @@ class HfZeroConfig:
         """Dtype of forward/backward: fp16 / bf16 when enabled, else fp32."""
         return _dtype("fp16" if self.fp16.enabled else "bf16" if self.bf16.enabled else "fp32")
 
+    # [Note: torch_autocast]
+    # DeepSpeed's torch_autocast section is DDP's --bf16: the weights, gradients, masters and Adam
+    # state stay fp32 (16 bytes per parameter, sharded), and the engine's forward runs under
+    # torch.autocast, so each op on autocast's lists computes in bf16 from a bf16 copy of its fp32
+    # inputs, exactly as under DDP. With it on, a 16-bit section cannot be enabled (validate.py),
+    # and the precision the Trainer or Accelerate asks for (--bf16) fills "auto" in fp16/bf16 with
+    # false and means autocast instead; --fp16 is refused, as float16 autocast needs a loss scale
+    # hf_zero's autocast does not have. Every parameter is gathered and reduced in fp32, where
+    # DeepSpeed sends those of lower_precision_safe_modules in the autocast dtype.
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        """The dtype the forward autocasts to ([Note: torch_autocast]), or None when it does not."""
+        if get_path(self._dict, "torch_autocast.enabled", False) is not True:
+            return None
+        value = get_path(self._dict, "torch_autocast.dtype", None)
+        return _dtype(DTYPE_SPELLINGS[str(value).lower()] if value is not None else "bf16")
+
     @property
     def master_dtype(self) -> torch.dtype:
         """The master weights and Adam moments are always fp32."""
@@ -359,8 +376,11 @@ class HfZeroConfig:
                 f"dynamic, start {scaling['initial_scale']:g}, x2 after {scaling['window']} clean steps, "
                 f"/2 after {scaling['hysteresis']} overflows, min {scaling['min_scale']:g}"
             )
+        autocast = self._safe(lambda: self.autocast_dtype)
+        compute = f"{policy['compute_dtype']}, forward under torch.autocast({autocast})" if autocast else \
+            policy["compute_dtype"]
         return [
-            f"compute dtype:           {policy['compute_dtype']}",
+            f"compute dtype:           {compute}",
             f"master weights dtype:    {policy['master_dtype']}",
             f"optimizer state dtype:   {policy['optimizer_state_dtype']}",
             f"reduce dtype:            {policy['reduce_dtype']}",

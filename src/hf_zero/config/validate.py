@@ -285,6 +285,26 @@ def _check_precision(root: dict[str, Any], problems: ProblemList) -> None:
     if get_path(root, "fp16.enabled", False) is True and get_path(root, "bf16.enabled", False) is True:
         fix = "set fp16.enabled or bf16.enabled to false"
         problems.add("bf16.enabled", True, "fp16 and bf16 cannot both be enabled", fix)
+    if get_path(root, "torch_autocast.enabled", False) is True:
+        _check_autocast(root, problems)
+
+
+def _check_autocast(root: dict[str, Any], problems: ProblemList) -> None:
+    """[Note: torch_autocast] in hf_zero.config.hf_zero_config: fp32 weights, so no 16-bit section."""
+    for name in ("fp16", "bf16"):
+        if get_path(root, f"{name}.enabled", False) is True:
+            problems.add(f"{name}.enabled", True,
+                         f"cannot be enabled with torch_autocast: {name} keeps {name} weights, torch_autocast fp32 ones",
+                         f"set {name}.enabled to false (or \"auto\": the Trainer's --{name} then means torch_autocast), "
+                         "or turn torch_autocast off")
+    dtype = get_path(root, "torch_autocast.dtype", None)
+    short = DTYPE_SPELLINGS.get(str(dtype).lower()) if isinstance(dtype, str) else None
+    if short == "fp16":
+        problems.add("torch_autocast.dtype", dtype, "float16 autocast needs a loss scale, which hf_zero's torch_autocast "
+                     "does not have yet", 'write "bfloat16", or use the fp16 section (fp16 weights, a dynamic loss scale)')
+    elif short == "fp32":
+        problems.add("torch_autocast.dtype", dtype, "autocast to float32 changes nothing",
+                     'write "bfloat16", or set torch_autocast.enabled to false')
     power, floor = get_path(root, "fp16.initial_scale_power", 16), get_path(root, "fp16.min_loss_scale", 1)
     dynamic = get_path(root, "fp16.loss_scale", 0) == 0
     numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (power, floor))

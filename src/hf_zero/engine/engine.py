@@ -56,6 +56,7 @@ class ZeroEngine(nn.Module):
         self.config = config
         self.comm = comm
         self.device = device
+        self.autocast_dtype = config.autocast_dtype  # [Note: torch_autocast]; read once, not per forward
         self.units = units
         self.unit_rule = unit_rule
         self.optimizer = optimizer
@@ -182,13 +183,22 @@ class ZeroEngine(nn.Module):
 
     # ------------------------------------------------------------------ training
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._timers is None or not torch.is_grad_enabled():  # evaluation is not timed
-            return self.module(*args, **kwargs)
-        self._timers.start("forward")
-        try:
-            return self.module(*args, **kwargs)
-        finally:
-            self._timers.stop("forward")
+        with self._autocast():
+            if self._timers is None or not torch.is_grad_enabled():  # evaluation is not timed
+                return self.module(*args, **kwargs)
+            self._timers.start("forward")
+            try:
+                return self.module(*args, **kwargs)
+            finally:
+                self._timers.stop("forward")
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        """torch.autocast for the config's torch_autocast ([Note: torch_autocast] in
+        hf_zero.config.hf_zero_config); otherwise nothing changes, an autocast the script opened
+        around the call included."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._boundary_override is not None:
