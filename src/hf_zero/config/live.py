@@ -24,6 +24,13 @@ def set_live_zero3_config(config: Any) -> None:
         listener()
 
 
+def restore_live_zero3_config(previous: Any | None) -> None:
+    """Make ``previous`` (a config, or None for none) the live one again, calling no listener:
+    what a context that set a config of its own leaves behind (compat.deepspeed.zero.Init)."""
+    global _live
+    _live = weakref.ref(previous) if previous is not None else None
+
+
 def live_zero3_config() -> Any | None:
     """The stage-3 HfZeroConfig the user created most recently, if it is still alive."""
     return _live() if _live is not None else None

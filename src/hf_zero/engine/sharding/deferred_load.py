@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -37,8 +38,14 @@ _ARMED = "_hf_zero_materialise_on_use"  # the wrapped method names, in the insta
 _WRAPPER = "_hf_zero_materialising_wrapper"  # set on each wrapper, so disarming removes only ours
 
 
+# Every model armed here that is still alive: where a parameter's source is found from the
+# parameter alone (hf_zero.compat.deepspeed's GatheredParameters before initialize).
+_lazily_loaded: weakref.WeakSet = weakref.WeakSet()
+
+
 def arm_materialisation(model: nn.Module) -> None:
     """Wrap the model's weight-reading methods; see [Note: materialising on first use]."""
+    _lazily_loaded.add(model)
     names = [name for name in MATERIALISING_METHODS if hasattr(model, name)]
     for name in names:
         model.__dict__[name] = _materialising(model, getattr(model, name))
@@ -110,6 +117,28 @@ def materialise(model: nn.Module, reason: str = "use") -> None:
     logger.info("hf_zero: %s was loaded under a live stage-3 config but no engine took it; %s() "
                 "made its %d parameters whole from %s on this rank", type(model).__name__, reason,
                 count, source.description)
+
+
+def materialise_params(params: list[nn.Parameter]) -> list[nn.Parameter]:
+    """Read the meta ones of ``params`` whole from their lazily loaded model's source (this rank
+    only, no collective); returns those read. ``initialize`` then takes them as real parameters
+    (rank 0's values: ``initialize._agree_on_real_params``). A meta parameter of no lazily
+    loaded model is an error."""
+    wanted = {id(p): p for p in params if p.is_meta}
+    read: list[nn.Parameter] = []
+    with torch.no_grad():
+        for model in list(_lazily_loaded):
+            source = model.__dict__.get(SOURCE_ATTRIBUTE)
+            if source is None:
+                continue
+            for name, param in model.named_parameters():
+                if id(param) in wanted and param.is_meta:
+                    _read_whole(source, name, param)
+                    read.append(wanted.pop(id(param)))
+    if wanted:
+        raise ValueError(f"{len(wanted)} parameter(s) are on the meta device and belong to no model loaded under a "
+                         "live stage-3 config, so there is nothing to read them from")
+    return read
 
 
 def _read_whole(source: Any, name: str, param: nn.Parameter) -> None:
