@@ -53,7 +53,7 @@ REFERENCES = {"sft-z3": "sft-ddp", "sft-z2": "sft-ddp", "sft-z3-lora": "sft-ddp-
               "dpo-z3": "dpo-ddp", "dpo-z2-lora": "dpo-ddp-lora", "dpo-z3-lora": "dpo-ddp-lora"}
 # DDP references between the hf_zero jobs: a stage-3 config leaking into a DDP job is caught
 ORDER = ["sft-ddp", "sft-z3", "sft-z2", "sft-ddp-lora", "sft-z3-lora", "dpo-z3", "dpo-ddp", "dpo-z2-lora",
-         "dpo-ddp-lora", "dpo-z3-lora"]
+         "dpo-ddp-lora", "dpo-z3-lora", "sft-z3-autocast", "sft-ddp-bf16", "sft-z3-bf16"]
 LORA = ["--use_peft", "--lora_r", "4"]
 
 
@@ -65,12 +65,16 @@ def _args(model: str, data: str, output_dir: str) -> list[str]:
             "--bf16", "false"]
 
 
-def _job(name: str, root: Path, model: Path, data: dict[str, Path], configs: dict[int, str]) -> dict[str, Any]:
-    script, where, *lora = name.split("-")
-    argv = [*_args(str(model), str(data[script]), str(root / name)), *(LORA if lora else [])]
+def _job(name: str, root: Path, model: Path, data: dict[str, Path], configs: dict[Any, str]) -> dict[str, Any]:
+    """``script-where[-lora|-bf16|-autocast]``: ``bf16`` and ``autocast`` keep TRL's default
+    ``bf16=True``, ``autocast`` with torch_autocast in the config."""
+    script, where, *extra = name.split("-")
+    argv = [*_args(str(model), str(data[script]), str(root / name)), *(LORA if "lora" in extra else [])]
+    if "bf16" in extra or "autocast" in extra:
+        argv = argv[:-2]  # TRL's default bf16=True
     job: dict[str, Any] = {"name": name, "module": f"trl.scripts.{script}", "argv": argv}
     if where != "ddp":
-        job["zero_config"] = configs[int(where[1:])]
+        job["zero_config"] = configs[(int(where[1:]), "autocast" in extra)]
     return job
 
 
@@ -86,7 +90,8 @@ def published_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     for folder, written in zip(data.values(), write_data(root)[:2]):
         folder.mkdir()
         Path(written).rename(folder / "train.jsonl")  # a local folder: load_dataset(folder)["train"]
-    configs = {stage: write_config(root / f"zero{stage}.json", stage) for stage in (2, 3)}
+    configs = {(stage, False): write_config(root / f"zero{stage}.json", stage) for stage in (2, 3)}
+    configs[(3, True)] = write_config(root / "zero3-autocast.json", 3, torch_autocast={"enabled": True})
     plan = {"jobs": [_job(name, root, model, data, configs) for name in ORDER], "steps": STEPS,
             "out": str(root / "results.json")}
     (root / "plan.json").write_text(json.dumps(plan))
@@ -115,6 +120,19 @@ def test_published_trl_script_trains_as_ddp(published_runs: dict[str, Any], name
     if name.startswith("dpo"):  # the policy starts as its reference: log 2, then training moves it
         assert ddp["loss"][0] == pytest.approx(math.log(2), rel=1e-6)
         assert max(abs(loss - math.log(2)) for loss in ddp["loss"][1:]) > 10 * LOSS_REL * math.log(2)
+
+
+def test_published_sft_with_its_default_bf16_follows_ddp_under_torch_autocast(published_runs: dict[str, Any]) -> None:
+    """TRL defaults to bf16=True, which DDP runs as autocast over fp32 weights: with torch_autocast
+    in the config hf_zero runs the same computation ([Note: torch_autocast]); the bf16 section's
+    bf16 weights are another one."""
+    ddp, autocast = _ok(published_runs, "sft-ddp-bf16"), _ok(published_runs, "sft-z3-autocast")
+    weights = _ok(published_runs, "sft-z3-bf16")
+    assert _close(autocast["loss"], ddp["loss"], 1e-3), (autocast["loss"], ddp["loss"])  # the issue's target
+    assert autocast["loss"][0] == pytest.approx(ddp["loss"][0], rel=1e-6)  # the same first forward
+    assert weights["loss"][0] != pytest.approx(ddp["loss"][0], rel=1e-6), (weights["loss"], ddp["loss"])
+    assert autocast["engine"] and weights["engine"] and not ddp["engine"]
+    print("sft bf16: DDP", ddp["loss"], "torch_autocast", autocast["loss"], "bf16 weights", weights["loss"])
 
 
 @pytest.mark.parametrize("name", ["sft-z3", "sft-z2", "dpo-z3"])
