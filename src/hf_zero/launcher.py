@@ -260,6 +260,15 @@ def torchrun_command(nodes: list[Node], rank: int, master_addr: str, master_port
             "--master_port", str(master_port), *runner]
 
 
+def _stop(procs: list[subprocess.Popen], sig: signal.Signals) -> None:
+    """Send ``sig`` to every node still running (its whole process group) and wait for all."""
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, sig)
+    for p in procs:
+        p.wait()
+
+
 def _wait_all(procs: list[subprocess.Popen]) -> int:
     """Every node's exit status; the first node to fail stops the others (as DeepSpeed's launcher)."""
     try:
@@ -267,21 +276,13 @@ def _wait_all(procs: list[subprocess.Popen]) -> int:
             codes = [p.poll() for p in procs]
             failed = [c for c in codes if c not in (None, 0)]
             if failed:
-                for p in procs:
-                    if p.poll() is None:
-                        os.killpg(p.pid, signal.SIGTERM)
-                for p in procs:
-                    p.wait()
+                _stop(procs, signal.SIGTERM)
                 return failed[0]
             if all(c == 0 for c in codes):
                 return 0
             time.sleep(0.2)
     except KeyboardInterrupt:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGINT)
-        for p in procs:
-            p.wait()
+        _stop(procs, signal.SIGINT)
         return 130
 
 

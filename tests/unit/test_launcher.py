@@ -143,3 +143,28 @@ def test_the_script_gets_local_rank_first_as_under_deepspeeds_launcher(tmp_path:
                          env={**env, LOCAL_RANK_ARG_ENV: "1", "LOCAL_RANK": "3"}, capture_output=True, text=True)
     assert json.loads((tmp_path / "seen").read_text()) == [["--local_rank=3", "--x"], str(config)]
     assert "finished without preparing a model with hf_zero" in run.stderr  # it trained nothing
+
+
+def test_the_first_node_to_fail_stops_the_others(tmp_path: Path) -> None:
+    """Node 1's program exits 3 at once; node 0's would sleep 10 minutes: the launch ends in
+    seconds with node 1's status, node 0 stopped (its torchrun and its worker)."""
+    import time
+
+    from tests.distributed.launch import free_port
+
+    script = tmp_path / "fail_on_node_1.py"
+    marker = tmp_path / "node0-finished"
+    script.write_text("import os, sys, time\n"
+                      "if os.environ['GROUP_RANK'] == '1':\n    sys.exit(3)\n"
+                      f"time.sleep(600)\nopen({str(marker)!r}, 'w').close()\n")
+    config = tmp_path / "ds.json"
+    config.write_text("{}")
+    hostfile = _hostfile(tmp_path, "localhost slots=1\n127.0.0.1 slots=1\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_ZERO_", "RANK", "WORLD_SIZE", "MASTER_"))}
+    start = time.monotonic()
+    run = subprocess.run([sys.executable, "-m", "hf_zero.cli", "launch", "--hostfile", hostfile, "--master_port",
+                          str(free_port()), str(script), "--deepspeed", str(config)],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0, run.stdout + run.stderr
+    assert time.monotonic() - start < 120, "node 0 was left running"
+    assert not marker.exists()
