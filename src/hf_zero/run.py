@@ -135,12 +135,17 @@ def main(argv: list[str] | None = None) -> None:
         sys.argv = [target, *script_args]
         sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
         runpy.run_path(target, run_name="__main__")
-    if requested and plain_accelerator.hf_zero_models_prepared() == 0:
+    if requested and plain_accelerator.hf_zero_models_prepared() == 0 and _engines_made() == 0:
         raise SystemExit(
             f"hf_zero.run: {target} finished without preparing a model with hf_zero although a ZeRO config "
             "was given: it trained (if at all) without ZeRO. hf_zero.run runs scripts whose model goes "
-            "through transformers' Trainer or accelerate's Accelerator.prepare; a script that calls "
-            "hf_zero.initialize itself needs no runner")
+            "through transformers' Trainer, accelerate's Accelerator.prepare, hf_zero.initialize or "
+            "hf_zero.compat.deepspeed.initialize")
+
+
+def _engines_made() -> int:
+    initialize = sys.modules.get("hf_zero.engine.initialize")  # never imported: no engine was made
+    return initialize.engines_made() if initialize is not None else 0
 
 
 if __name__ == "__main__":

@@ -2,18 +2,20 @@
 with modifier_rank=0 before initialize, backward/step, save and a fresh engine's resume) runs on
 hf_zero with only ``import deepspeed`` replaced by ``import hf_zero.compat.deepspeed as deepspeed``,
 and matches real DeepSpeed (CPU accelerator, torch's AdamW) at stages 2 and 3: 8 losses on 2
-ranks started by torchrun, the resumed step count, client state and final weights."""
+ranks started by torchrun (and, at stage 3, by ``hf-zero launch`` with DeepSpeed's launcher flags), the resumed step count, client state and final weights."""
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from tests.distributed.launch import free_port
 from tests.integration.conftest import run_launch, torchrun
 from tests.tiny_models import learnable_batch, tiny_gpt2
 
@@ -55,16 +57,25 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, A
                     "--deepspeed", "--deepspeed_config", str(root / f"ds{stage}.json")]
             run_launch(torchrun(script, *argv))
             results[f"{side}{stage}"] = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    # The job's command line too: `deepspeed --num_gpus 2 script.py --deepspeed --deepspeed_config
+    # ds.json` with `hf-zero launch` in place of `deepspeed` (the runner takes the flags out).
+    out = root / "launched3"
+    out.mkdir()
+    run_launch([sys.executable, "-m", "hf_zero.cli", "launch", "--num_gpus", "2", "--master_port", str(free_port()),
+                str(ported), "--model_dir", str(root / "model"), "--data", str(root / "data.pt"), "--out", str(out),
+                "--deepspeed", "--deepspeed_config", str(root / "ds3.json")])
+    results["launched3"] = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     return results
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_the_ported_script_trains_as_deepspeed_does(runs: dict[str, list[dict[str, Any]]], stage: int) -> None:
-    for deepspeed_rank, hf_zero_rank in zip(runs[f"deepspeed{stage}"], runs[f"hf_zero{stage}"]):
+@pytest.mark.parametrize("stage, ported", [(2, "hf_zero2"), (3, "hf_zero3"), (3, "launched3")])
+def test_the_ported_script_trains_as_deepspeed_does(runs: dict[str, list[dict[str, Any]]], stage: int,
+                                                   ported: str) -> None:
+    for deepspeed_rank, hf_zero_rank in zip(runs[f"deepspeed{stage}"], runs[ported]):
         for key in ("first", "rest"):
             assert hf_zero_rank[key] == pytest.approx(deepspeed_rank[key], rel=1e-6, abs=0), (key, stage)
         assert hf_zero_rank["global_steps"] == deepspeed_rank["global_steps"] == 8
         assert hf_zero_rank["client_state"]["epoch"] == deepspeed_rank["client_state"]["epoch"] == 1
         assert hf_zero_rank["weight_norm"] == pytest.approx(deepspeed_rank["weight_norm"], rel=1e-6)
-    losses = runs[f"hf_zero{stage}"][0]["first"] + runs[f"hf_zero{stage}"][0]["rest"]
+    losses = runs[ported][0]["first"] + runs[ported][0]["rest"]
     assert losses[-1] < 0.9 * losses[0], losses  # it learns: a curve that matches is not a flat one

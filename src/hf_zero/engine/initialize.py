@@ -413,7 +413,16 @@ def initialize(
     engine = ZeroEngine(model, resolved, comm, device, units, plan.rule, zero_optimizer, scheduler, buffers, policy,
                         sequence_parallel=sequence_parallel)
     dataloader = _build_dataloader(training_data, resolved, comm, collate_fn)
+    _ENGINES_MADE[0] += 1
     return engine, zero_optimizer, dataloader, scheduler
+
+
+_ENGINES_MADE = [0]  # in this process, by any route: what hf_zero.run checks a run against
+
+
+def engines_made() -> int:
+    """How many engines ``initialize`` has made in this process (the runner's end check)."""
+    return _ENGINES_MADE[0]
 
 
 def _sequence_parallel_size(config: HfZeroConfig) -> int:

@@ -27,6 +27,7 @@ name it lacks is an AttributeError naming it. See docs/deepspeed-migration.md.
 from __future__ import annotations
 
 import argparse
+import os
 import weakref
 from datetime import timedelta
 from typing import Any
@@ -93,6 +94,10 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         config = config_params
     if config is None and args is not None:
         config = getattr(args, "deepspeed_config", None)
+    if config is None:  # hf_zero.run took --deepspeed_config out of the arguments (hf-zero launch does)
+        from hf_zero.integrations._accelerator import CONFIG_ENV
+
+        config = os.environ.get(CONFIG_ENV) or None
     if config is None:
         raise ValueError("deepspeed.initialize needs a config: config=ds_config (a dict or a JSON path), or args "
                          "whose --deepspeed_config names one (add_config_arguments)")
