@@ -206,7 +206,6 @@ def test_partial_optimizer_offload_needs_device_cpu(device: str) -> None:
         ({"comms_logger": {"enabled": True}}, "comms_logger.enabled"),
         ({"checkpoint": {"load_universal": True}}, "checkpoint.load_universal"),
         ({"checkpoint": {"use_node_local_storage": True}}, "checkpoint.use_node_local_storage"),
-        ({"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}, "torch_autocast.enabled"),
         ({"tensor_parallel": {"autotp_size": 2}}, "tensor_parallel"),
         ({"compile": {"deepcompile": True}}, "compile"),
         ({"gradient_allreduce_op": "sum"}, "gradient_allreduce_op"),

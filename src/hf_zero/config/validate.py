@@ -285,6 +285,13 @@ def _check_precision(root: dict[str, Any], problems: ProblemList) -> None:
     if get_path(root, "fp16.enabled", False) is True and get_path(root, "bf16.enabled", False) is True:
         fix = "set fp16.enabled or bf16.enabled to false"
         problems.add("bf16.enabled", True, "fp16 and bf16 cannot both be enabled", fix)
+    power, floor = get_path(root, "fp16.initial_scale_power", 16), get_path(root, "fp16.min_loss_scale", 1)
+    dynamic = get_path(root, "fp16.loss_scale", 0) == 0
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (power, floor))
+    if get_path(root, "fp16.enabled", False) is True and dynamic and numbers and 0 <= power <= 64 and floor > 2.0**power:
+        problems.add("fp16.min_loss_scale", floor,
+                     f"is above the initial loss scale 2**initial_scale_power = {2.0 ** power:g}, so the first "
+                     "overflow could never lower the scale", f"write at most {2.0 ** power:g}, or raise initial_scale_power")
     if get_path(root, "torch_autocast.enabled", False) is True:
         _check_autocast(root, problems)
 
@@ -305,13 +312,6 @@ def _check_autocast(root: dict[str, Any], problems: ProblemList) -> None:
     elif short == "fp32":
         problems.add("torch_autocast.dtype", dtype, "autocast to float32 changes nothing",
                      'write "bfloat16", or set torch_autocast.enabled to false')
-    power, floor = get_path(root, "fp16.initial_scale_power", 16), get_path(root, "fp16.min_loss_scale", 1)
-    dynamic = get_path(root, "fp16.loss_scale", 0) == 0
-    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (power, floor))
-    if get_path(root, "fp16.enabled", False) is True and dynamic and numbers and 0 <= power <= 64 and floor > 2.0**power:
-        problems.add("fp16.min_loss_scale", floor,
-                     f"is above the initial loss scale 2**initial_scale_power = {2.0 ** power:g}, so the first "
-                     "overflow could never lower the scale", f"write at most {2.0 ** power:g}, or raise initial_scale_power")
 
 
 def _check_offload(root: dict[str, Any], problems: ProblemList) -> None:

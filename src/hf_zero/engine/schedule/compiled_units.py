@@ -20,6 +20,19 @@ a training forward (module in train mode, grad enabled, no ``use_cache`` or ``pa
 passed) runs with ``use_cache=False``, as Transformers itself does under gradient checkpointing;
 evaluation and ``generate`` keep the cache, and the saved config is untouched.
 
+[Note: a checkpoint inside a unit's graph]
+Since transformers 5.2x a layer's gradient checkpointing lives in its ``forward``
+(``GradientCheckpointingLayer``'s ``forward_with_checkpointing``), so the compiled forward of a
+checkpointed block traces ``torch.utils.checkpoint`` as a higher-order op. Inside it the block
+touches transformers' output-capture variable (``CompileableContextVar``, which turns into a plain
+global under Dynamo), a mutation Dynamo refuses to trace in a checkpoint unless it may skip
+replaying it in the backward's recomputation: with transformers 5.25 the graph broke and every
+block ran eagerly (2 graphs instead of 3 for tiny_llama). That state only gathers outputs for the
+forward's return value, which the recomputation discards, so each unit's compiled forward is
+traced with ``skip_fwd_side_effects_in_bwd_under_checkpoint`` on, for its own calls only (the
+user's other compiles keep Dynamo's default); test_compiled_units.py's checkpointed stage-3 case
+compiles 3 graphs and trains to eager's losses and weights.
+
 [Note: no CUDA graphs under stage 3]
 A CUDA graph (``mode="reduce-overhead"`` and ``"max-autotune"``, inductor's
 ``options={"triton.cudagraphs": True}``, the ``cudagraphs`` backend) replays the kernels it
@@ -32,6 +45,7 @@ the other modes compile as above, and stages 0-2 keep their parameters in place.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from typing import Any
@@ -96,9 +110,19 @@ def compile_units(unit_modules: list[nn.Module], backend: str, compile_kwargs: d
             continue
         eager = module.forward
         module.__dict__[_MARK] = eager
-        module.forward = torch.compile(eager, backend=backend, **compile_kwargs)
+        compiled_forward = torch.compile(eager, backend=backend, **compile_kwargs)
+        module.forward = _checkpoint_side_effects_not_replayed(eager, compiled_forward)
         compiled += 1
     return compiled
+
+
+def _checkpoint_side_effects_not_replayed(eager: Any, compiled: Any) -> Any:
+    """``compiled``, traced with [Note: a checkpoint inside a unit's graph]'s Dynamo setting."""
+    @functools.wraps(eager)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+            return compiled(*args, **kwargs)
+    return forward
 
 
 def _no_cache_in_training(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
