@@ -7,10 +7,10 @@
 
 ``--zero_config PATH`` (or ``--zero_config=PATH``) is taken out of the script's arguments and put
 in ``HF_ZERO_CONFIG`` (as an absolute path), so any argument parser in the script is unaffected.
-DeepSpeed's own flags are taken the same way, so a job script keeps its command line: the
-Trainer's ``--deepspeed PATH`` and DeepSpeed's ``--deepspeed_config PATH`` are read as
-``--zero_config PATH`` (one INFO line says so), and DeepSpeed's bare ``--deepspeed`` switch
-(``deepspeed.add_config_arguments``) is dropped; the runner never starts DeepSpeed itself;
+DeepSpeed's own flags name the config too, so a job script keeps its command line: the
+Trainer's ``--deepspeed PATH`` is read as ``--zero_config PATH`` and taken out (one INFO line
+says so), DeepSpeed's ``--deepspeed_config PATH`` is read and left for the script, as is the bare
+``--deepspeed`` switch (``deepspeed.add_config_arguments``); the runner never starts DeepSpeed;
 then :func:`hf_zero.integrations.transformers.enable` patches ``TrainingArguments`` and
 ``Trainer`` in place, :func:`hf_zero.integrations.plain_accelerator.enable` makes a plain
 ``Accelerator(...)`` an hf_zero one ([Note: the runner's Accelerate door]), and the script runs
@@ -44,20 +44,29 @@ def _is_deepspeed_switch(argv: list[str], i: int) -> bool:
     return argv[i] == "--deepspeed" and (i + 1 >= len(argv) or argv[i + 1].startswith("-"))
 
 
+# Flags whose value the runner reads and also leaves for the script: deepspeed.add_config_arguments
+# scripts read --deepspeed_config themselves. --zero_config and the Trainer's --deepspeed PATH are
+# taken out (TrainingArguments would start DeepSpeed on the latter).
+LEFT_FOR_THE_SCRIPT = ("--deepspeed_config",)
+
+
 def extract_config_flags(argv: list[str]) -> tuple[list[tuple[str, str]], list[str]]:
-    """([(flag, value)] for every config flag given, the other arguments in order)."""
+    """([(flag, value)] for every config flag given, the script's arguments in order)."""
     found: list[tuple[str, str]] = []
     rest: list[str] = []
     i = 0
     while i < len(argv):
         arg = argv[i]
-        if _is_deepspeed_switch(argv, i):
+        if _is_deepspeed_switch(argv, i):  # the script's own switch: nothing to read
+            rest.append(arg)
             i += 1
             continue
         if arg in CONFIG_FLAGS:
             if i + 1 >= len(argv):
                 raise SystemExit(f"hf_zero.run: {arg} needs a value (a JSON file)\n{USAGE}")
             found.append((arg, argv[i + 1]))
+            if arg in LEFT_FOR_THE_SCRIPT:
+                rest += argv[i:i + 2]
             i += 2
             continue
         flag, equals, value = arg.partition("=")
@@ -65,6 +74,8 @@ def extract_config_flags(argv: list[str]) -> tuple[list[tuple[str, str]], list[s
             if not value:
                 raise SystemExit(f"hf_zero.run: {flag}= needs a value (a JSON file)\n{USAGE}")
             found.append((flag, value))
+            if flag in LEFT_FOR_THE_SCRIPT:
+                rest.append(arg)
         else:
             rest.append(arg)
         i += 1

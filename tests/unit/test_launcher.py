@@ -120,9 +120,12 @@ def test_another_machine_is_refused_with_each_nodes_torchrun_command(tmp_path: P
 def test_the_runner_reads_deepspeeds_config_flags_as_zero_config() -> None:
     assert extract_zero_config(["--deepspeed", "ds.json", "--bf16"]) == ("ds.json", ["--bf16"])
     assert extract_zero_config(["--deepspeed=ds.json"]) == ("ds.json", [])
-    # deepspeed.add_config_arguments: a --deepspeed switch, the path in --deepspeed_config
-    assert extract_zero_config(["--deepspeed", "--deepspeed_config", "ds.json", "--x"]) == ("ds.json", ["--x"])
-    assert extract_zero_config(["--x", "--deepspeed"]) == (None, ["--x"])
+    # deepspeed.add_config_arguments: a --deepspeed switch, the path in --deepspeed_config, both
+    # left for the script, which reads them itself
+    assert extract_zero_config(["--deepspeed", "--deepspeed_config", "ds.json", "--x"]) == (
+        "ds.json", ["--deepspeed", "--deepspeed_config", "ds.json", "--x"])
+    assert extract_zero_config(["--deepspeed_config=ds.json"]) == ("ds.json", ["--deepspeed_config=ds.json"])
+    assert extract_zero_config(["--x", "--deepspeed"]) == (None, ["--x", "--deepspeed"])
     assert extract_zero_config(["--zero_config", "ds.json", "--deepspeed", "./ds.json"])[0] == "ds.json"
     with pytest.raises(SystemExit, match="two configs were given \\(--zero_config a.json, --deepspeed b.json\\)"):
         extract_zero_config(["--zero_config", "a.json", "--deepspeed", "b.json"])
