@@ -57,6 +57,7 @@ from torch.utils.hooks import RemovableHandle
 logger = logging.getLogger("hf_zero")
 
 _MARK = "_hf_zero_eager_forward"
+_SKIP_REPLAY = "skip_fwd_side_effects_in_bwd_under_checkpoint"  # [Note: a checkpoint inside a unit's graph]
 
 
 def is_compiled(module: nn.Module) -> bool:
@@ -118,9 +119,12 @@ def compile_units(unit_modules: list[nn.Module], backend: str, compile_kwargs: d
 
 def _checkpoint_side_effects_not_replayed(eager: Any, compiled: Any) -> Any:
     """``compiled``, traced with [Note: a checkpoint inside a unit's graph]'s Dynamo setting."""
+    if not hasattr(torch._dynamo.config, _SKIP_REPLAY):  # a torch without the setting traces as before
+        return compiled
+
     @functools.wraps(eager)
     def forward(*args: Any, **kwargs: Any) -> Any:
-        with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+        with torch._dynamo.config.patch(**{_SKIP_REPLAY: True}):
             return compiled(*args, **kwargs)
     return forward
 
