@@ -75,6 +75,7 @@ def main():
     rest = train(resumed, batches, range(SAVE_AT, STEPS))
     with deepspeed.zero.GatheredParameters(list(resumed.module.parameters())):
         weight_norm = sum(float(p.double().pow(2).sum()) for p in resumed.module.parameters()) ** 0.5
+    resumed.save_16bit_model(os.path.join(args.out, "model16"))
     result = {"first": first, "rest": rest, "client_state": client_state, "weight_norm": weight_norm,
               "global_steps": resumed.global_steps}
     with open(os.path.join(args.out, f"rank{torch.distributed.get_rank()}.json"), "w") as f:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import os
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 from hf_zero.comm import Communicator, check_in, out_of_step
+from hf_zero.engine.full_state import gather_full_state_dict
 from hf_zero.engine.sharding.buffer_pool import BufferPool
 from hf_zero.engine.schedule.compiled_units import compile_units, is_compiled, training_without_cache
 from hf_zero.engine.schedule.hooks import UnitProtocol
@@ -424,6 +426,28 @@ class ZeroEngine(nn.Module):
         ]
 
     # ------------------------------------------------------------------ checkpoints
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """DeepSpeed's ``save_16bit_model``: rank 0 writes ``save_dir/save_filename`` with
+        ``torch.save``, the module's full state dict in the compute dtype (bf16 / fp16, or fp32
+        when the run computes in fp32), gathered unit by unit. Collective: every rank must call
+        it. At stage 3 it needs ``stage3_gather_16bit_weights_on_model_save``, as DeepSpeed's does;
+        without it nothing is written and it returns False (``hf-zero export`` writes a model
+        folder from any checkpoint instead)."""
+        if self.policy.shards_params and not self.config.zero.stage3_gather_16bit_weights_on_model_save:
+            logger.warning("hf_zero: save_16bit_model wrote nothing: at stage 3 it needs "
+                           "stage3_gather_16bit_weights_on_model_save: true in zero_optimization, as under DeepSpeed; "
+                           "or save a checkpoint and write a model folder with hf-zero export")
+            return False
+        state = gather_full_state_dict(self, dtype=self.config.compute_dtype)
+        if exclude_frozen_parameters:
+            frozen = {name for name, param in self.module.named_parameters() if not param.requires_grad}
+            state = {name: value for name, value in state.items() if name not in frozen}
+        if self.rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            torch.save(state, os.path.join(save_dir, save_filename))
+        return True
+
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: Any = None) -> str:
         """Write ``save_dir/<tag>/`` (default ``global_step<N>``) and ``save_dir/latest`` on every
         rank together; see hf_zero.checkpoint.save. Returns the checkpoint directory."""
