@@ -529,6 +529,7 @@ def _add_export_and_estimate(sub: argparse._SubParsersAction) -> None:
 # launch`` with every other argument unchanged, the script run through ``hf_zero.run`` (so a
 # plain ``Accelerator()`` in it uses hf_zero). It starts no process itself.
 LAUNCH_OPTIONS = ("--zero_config", "--config_file")
+CONFIG_ENVS = ("HF_ZERO_CONFIG", "HF_ZERO_CONFIG_FILE", "HF_ZERO_STAGE")  # any one names the run's ZeRO config
 
 
 def _split_launch_argv(argv: list[str]) -> tuple[dict[str, str], list[str]]:
@@ -619,7 +620,7 @@ def _launch(argv: list[str]) -> int:
         launch += ["--config_file", yaml_path]
     if "zero_config" in options:
         env["HF_ZERO_CONFIG"] = os.path.abspath(options["zero_config"])
-    if not any(env.get(n) for n in ("HF_ZERO_CONFIG", "HF_ZERO_CONFIG_FILE", "HF_ZERO_STAGE")):
+    if not any(env.get(n) for n in CONFIG_ENVS):
         print("hf-zero launch: no ZeRO config: add an hf_zero: {config_file: z.json} section to the yaml, "
               "pass --zero_config z.json, or set HF_ZERO_CONFIG", file=sys.stderr)
         return 2
@@ -757,7 +758,7 @@ def _deepspeed_launch(argv: list[str]) -> int:
 
     try:
         found, _ = extract_config_flags(launcher.parse_args(argv)[1])
-        if not found and not any(os.environ.get(n) for n in ("HF_ZERO_CONFIG", "HF_ZERO_CONFIG_FILE", "HF_ZERO_STAGE")):
+        if not found and not any(os.environ.get(n) for n in CONFIG_ENVS):
             raise launcher.LaunchError("no ZeRO config: give the script --deepspeed ds.json (or --zero_config ds.json), "
                                        "or set HF_ZERO_CONFIG")
         return launcher.launch(argv, dict(os.environ))

@@ -123,17 +123,18 @@ def parse_args(argv: list[str]) -> tuple[dict[str, str | bool], list[str]]:
     raise LaunchError("no script: give SCRIPT.py or -m MODULE after the launcher's flags")
 
 
-def _positive_int(options: dict[str, str | bool], name: str) -> int | None:
+def _int_option(options: dict[str, str | bool], name: str, minimum: int = 1) -> int | None:
+    """The integer value of ``--name``, at least ``minimum``; None when not given."""
     value = options.get(name)
     if value is None:
         return None
     try:
         number = int(str(value))
     except ValueError:
-        number = 0
-    if number < 1 and not (name == "node_rank" and number == 0 and str(value).strip() == "0"):
-        raise LaunchError(f"--{name} {value!r}: expected a {'non-negative' if name == 'node_rank' else 'positive'} "
-                          "integer")
+        number = minimum - 1
+    if number < minimum:
+        kind = "positive" if minimum == 1 else "non-negative"
+        raise LaunchError(f"--{name} {value!r}: expected a {kind} integer")
     return number
 
 
@@ -207,7 +208,7 @@ def _local_device_count() -> int:
 
 def plan_nodes(options: dict[str, str | bool]) -> list[Node]:
     """The nodes and their slots, chosen as DeepSpeed's launcher chooses them."""
-    num_gpus, num_nodes = _positive_int(options, "num_gpus"), _positive_int(options, "num_nodes")
+    num_gpus, num_nodes = _int_option(options, "num_gpus"), _int_option(options, "num_nodes")
     include, exclude = options.get("include"), options.get("exclude")
     if include is not None and exclude is not None:
         raise LaunchError("--include and --exclude are mutually exclusive: give one")
@@ -289,8 +290,8 @@ def _wait_all(procs: list[subprocess.Popen]) -> int:
 def launch(argv: list[str], env: dict[str, str]) -> int:
     options, program = parse_args(argv)
     nodes = plan_nodes(options)
-    port = _positive_int(options, "master_port") or DEFAULT_MASTER_PORT
-    node_rank = _positive_int(options, "node_rank")
+    port = _int_option(options, "master_port") or DEFAULT_MASTER_PORT
+    node_rank = _int_option(options, "node_rank", minimum=0)
     if node_rank is not None and not options.get("no_ssh"):
         raise LaunchError("--node_rank goes with --no_ssh (the same command run on every node, each with its rank)")
     remote = [node.host for node in nodes if not is_this_machine(node.host)]

@@ -94,7 +94,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         config = config_params
     if config is None and args is not None:
         config = getattr(args, "deepspeed_config", None)
-    if config is None:  # hf_zero.run took --deepspeed_config out of the arguments (hf-zero launch does)
+    if config is None:  # the one hf_zero.run read from --zero_config or --deepspeed
         from hf_zero.integrations._accelerator import CONFIG_ENV
 
         config = os.environ.get(CONFIG_ENV) or None
