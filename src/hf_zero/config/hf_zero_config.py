@@ -242,11 +242,12 @@ class HfZeroConfig:
     # DeepSpeed's torch_autocast section is DDP's --bf16: the weights, gradients, masters and Adam
     # state stay fp32 (16 bytes per parameter, sharded), and the engine's forward runs under
     # torch.autocast, so each op on autocast's lists computes in bf16 from a bf16 copy of its fp32
-    # inputs, exactly as under DDP. With it on, a 16-bit section cannot be enabled (validate.py),
+    # inputs, as under DDP. With it on, a 16-bit section cannot be enabled (validate.py),
     # and the precision the Trainer or Accelerate asks for (--bf16) fills "auto" in fp16/bf16 with
     # false and means autocast instead; --fp16 is refused, as float16 autocast needs a loss scale
-    # hf_zero's autocast does not have. Every parameter is gathered and reduced in fp32, where
-    # DeepSpeed sends those of lower_precision_safe_modules in the autocast dtype.
+    # hf_zero's autocast does not have. The parameters of lower_precision_safe_modules are
+    # gathered and reduced in the autocast dtype: [Note: lower-precision-safe modules] in
+    # hf_zero.engine.lower_precision.
     @property
     def autocast_dtype(self) -> torch.dtype | None:
         """The dtype the forward autocasts to ([Note: torch_autocast]), or None when it does not."""
@@ -254,6 +255,14 @@ class HfZeroConfig:
             return None
         value = get_path(self._dict, "torch_autocast.dtype", None)
         return _dtype(DTYPE_SPELLINGS[str(value).lower()] if value is not None else "bf16")
+
+    @property
+    def lower_precision_safe_modules(self) -> list[str] | None:
+        """The class names whose parameters are gathered and reduced in the autocast dtype
+        ([Note: lower-precision-safe modules] in hf_zero.engine.lower_precision); None: DeepSpeed's
+        default (Linear, Conv1d/2d/3d)."""
+        value = get_path(self._dict, "torch_autocast.lower_precision_safe_modules", None)
+        return None if value is None else [str(v) for v in value]
 
     @property
     def master_dtype(self) -> torch.dtype:
@@ -379,11 +388,17 @@ class HfZeroConfig:
         autocast = self._safe(lambda: self.autocast_dtype)
         compute = f"{policy['compute_dtype']}, forward under torch.autocast({autocast})" if autocast else \
             policy["compute_dtype"]
+        reduce = policy["reduce_dtype"]
+        if autocast:  # [Note: lower-precision-safe modules] in hf_zero.engine.lower_precision
+            safe = self._safe(lambda: self.lower_precision_safe_modules)
+            listed = "Linear, Conv1d/2d/3d" if safe is None else ", ".join(s.rsplit(".", 1)[-1] for s in safe) or None
+            if listed:
+                reduce = f"{reduce}; {autocast} gathered and reduced for the parameters of {listed}"
         return [
             f"compute dtype:           {compute}",
             f"master weights dtype:    {policy['master_dtype']}",
             f"optimizer state dtype:   {policy['optimizer_state_dtype']}",
-            f"reduce dtype:            {policy['reduce_dtype']}",
+            f"reduce dtype:            {reduce}",
             f"grad accumulation dtype: {policy['grad_accum_dtype']}",
             f"loss scaling:            {scaling_text}",
         ]

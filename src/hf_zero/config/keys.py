@@ -468,7 +468,7 @@ _SPECS: list[KeySpec] = [
     KeySpec("torch_autocast", Section(), {}, "torch.autocast mixed precision."),
     KeySpec("torch_autocast.enabled", Bool(), False, "Run the forward under torch.autocast, as DDP's --bf16: weights, gradients and masters fp32, each op autocast lists in the lower dtype; the Trainer's and Accelerate's bf16 then mean this."),
     KeySpec("torch_autocast.dtype", Choice(tuple(DTYPE_SPELLINGS), case_insensitive=True), None, "The autocast dtype; null means bfloat16 (float16, DeepSpeed's CUDA default, needs a loss scale hf_zero's autocast lacks: refused).", nullable=True),
-    KeySpec("torch_autocast.lower_precision_safe_modules", StrList(), None, "Modules whose parameters DeepSpeed gathers and reduces in the autocast dtype.", NO_EFFECT, "hf_zero gathers and reduces every parameter in fp32 under torch_autocast (more traffic than DeepSpeed, fp32 sums)", nullable=True),
+    KeySpec("torch_autocast.lower_precision_safe_modules", StrList(), None, "Module classes (exact match, e.g. \"torch.nn.Linear\") whose own parameters are gathered (stage 3) and have their gradients reduced in the autocast dtype; null means Linear and Conv1d/2d/3d, [] none. A parameter tied to another module's stays fp32.", nullable=True),
     # -- optimizer (runtime/config.py, ops/adam/fused_adam.py) --
     KeySpec("optimizer", Section(), None, "The optimizer hf_zero builds; absent means the Trainer's / user's optimizer.", nullable=True),
     KeySpec("optimizer.type", Str(), MISSING, 'Optimizer class: "Adam", "AdamW", "Muon" or "Adafactor" (case-insensitive; Muon steps hidden 2-D weights, AdamW the rest).', when_on="types other than Adam / AdamW / Muon / Adafactor"),

@@ -365,9 +365,8 @@ class ZeroEngine(nn.Module):
         them). With ``modifier_rank``, that rank's changes are broadcast at exit and written into
         every rank's shard and fp32 master; without it, changes are discarded under stage 3."""
         units = self._units_of(params)
-        for unit in units:
-            unit.unshard()
-            unit.wait_unshard()
+        for unit in units:  # exact: never the lower-dtype wire copy ([Note: lower-precision-safe modules])
+            unit.unshard(exact=True)
         try:
             yield
         finally:

@@ -20,6 +20,7 @@ from hf_zero.config.validate import AUTO, STILL_AUTO_RULE, config_warnings
 from hf_zero.engine.sharding.deferred_load import disarm_materialisation, find_source, initialise_new_adapters
 from hf_zero.engine.sharding.buffer_pool import BufferPool
 from hf_zero.engine.engine import ZeroEngine
+from hf_zero.engine.lower_precision import lower_precision_params, resolve_module_classes, unmatched_classes
 from hf_zero.engine.policy import BUCKETS_IN_FLIGHT, ShardingPolicy
 from hf_zero.engine.optim.loss_scaler import build_loss_scaler
 from hf_zero.engine.optim.muon import MuonWithAuxAdamW, muon_param_groups
@@ -295,7 +296,7 @@ def initialize(
     read_environment()  # HF_ZERO_CHECK_ASYNC, once for the engine: [Note: late completion]
     device = default_device()
     comm, parsed, local_error = _join_group(device, config)
-    resolved = param_group_of = hyper = plan = prints = None
+    resolved = param_group_of = hyper = plan = prints = safe_classes = None
     optimizer_kind = OptimizerKind.ELEMENTWISE
     if local_error is None:  # until agree(): nothing that another rank could wait on
         try:
@@ -318,6 +319,8 @@ def initialize(
                 check_tiling(model, causal_lm_heads(model))
             if _tiled_mlp_tokens(resolved):
                 tileable_mlps(model)
+            if resolved.autocast_dtype is not None:  # [Note: lower-precision-safe modules]
+                safe_classes = resolve_module_classes(resolved.lower_precision_safe_modules)
             prints = fingerprint(resolved.to_dict(), hyper, plan.units)
         except Exception as exc:
             local_error = exc
@@ -356,10 +359,11 @@ def initialize(
         offload = dataclasses.replace(offload, param_store=_nvme_param_store(resolved, model, comm, policy))
     unit_offloads = _offload_by_unit(resolved, offload, plan.units)
     buffers = _buffer_pool(resolved, device, policy)
+    wire_dtype_of = _lower_precision_params(model, resolved, safe_classes, comm.global_rank)
     try:
         units = [
             ZeroUnit(i, spec, param_group_of, comm, policy, resolved.compute_dtype, device,
-                     source, unit_offloads[i], buffers)
+                     source, unit_offloads[i], buffers, wire_dtype_of)
             for i, spec in enumerate(plan.units)
         ]
         if offload.param_store is not None:
@@ -622,6 +626,19 @@ def _nvme_param_store(config: HfZeroConfig, model: nn.Module, comm: Communicator
         buffer_numel=int(section.buffer_size), max_in_cpu=int(section.max_in_cpu),
         pin_memory=bool(section.pin_memory), needed_bytes=max(0, per_rank - int(section.max_in_cpu)) * itemsize,
     )
+
+
+def _lower_precision_params(model: nn.Module, config: HfZeroConfig, safe_classes: tuple[type[nn.Module], ...] | None,
+                            rank: int) -> dict[int, torch.dtype]:
+    """[Note: lower-precision-safe modules]: the parameters gathered and reduced in the autocast
+    dtype, and a warning for a listed class the model has no module of."""
+    if safe_classes is None or config.autocast_dtype is None:
+        return {}
+    missing = unmatched_classes(model, safe_classes)
+    if missing and config.lower_precision_safe_modules is not None and rank == 0:
+        logger.warning("hf_zero config: torch_autocast.lower_precision_safe_modules lists %s, which no module of "
+                       "the model is (a subclass is not matched); those entries do nothing", ", ".join(missing))
+    return lower_precision_params(model, safe_classes, config.autocast_dtype)
 
 
 def _buffer_pool(config: HfZeroConfig, device: torch.device, policy: ShardingPolicy) -> BufferPool:

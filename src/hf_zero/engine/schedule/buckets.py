@@ -32,7 +32,7 @@ The elements moved are the same as without buckets (2Ψ / 3Ψ); the number of co
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -83,9 +83,12 @@ def _bucket_label(groups: list[FlatParamGroup]) -> str:
 def start_bucket(
     groups: list[FlatParamGroup], comm: Communicator, reduce_dtype: torch.dtype, async_op: bool
 ) -> PendingBucket | None:
-    """Issue the reduce-scatter of ``groups``' gradients (see [Note: buckets])."""
+    """Issue the reduce-scatter of ``groups``' gradients (see [Note: buckets]) in ``reduce_dtype``,
+    or in the groups' own wire dtype ([Note: lower-precision-safe modules] in
+    hf_zero.engine.lower_precision: a bucket holds groups of one)."""
     if not groups:
         return None
+    reduce_dtype = wire_dtype(groups[0], reduce_dtype)
     if len(groups) == 1 or not comm.active:
         # Nothing to pack: a lone group (or world size 1) reduces in place, group by group.
         started = [(g, g.grads.start_reduce(reduce_dtype, async_op)) for g in groups]
@@ -181,22 +184,31 @@ class ReduceSchedule:
             yield [g for _, g in self.buckets[self.next - 1]]
 
 
-def split_buckets(groups: list[FlatParamGroup], bucket_numel: int) -> Iterator[list[FlatParamGroup]]:
+def wire_dtype(group: FlatParamGroup, default: torch.dtype) -> torch.dtype:
+    """The dtype ``group``'s gradients are reduced in: its own ([Note: lower-precision-safe
+    modules] in hf_zero.engine.lower_precision), else ``default``."""
+    return group.kind.wire_dtype or default
+
+
+def split_buckets(groups: list[FlatParamGroup], bucket_numel: int,
+                  key: Callable[[FlatParamGroup], object] = lambda g: g.kind.wire_dtype) -> Iterator[list[FlatParamGroup]]:
     """Groups in order, in buckets: a group of ``IN_PLACE_NUMEL`` elements or more is a bucket of
-    its own; the others fill a bucket, closed (and yielded where its last group falls) once it
-    holds ``bucket_numel`` elements."""
-    bucket: list[FlatParamGroup] = []
-    numel = 0
+    its own; the others fill a bucket of their ``key`` (one collective has one dtype), closed (and
+    yielded where its last group falls) once it holds ``bucket_numel`` elements; the buckets still
+    open at the end follow in the order they were opened."""
+    open_buckets: dict[object, tuple[list[FlatParamGroup], int]] = {}
     for group in groups:
         if group.layout.padded_numel >= IN_PLACE_NUMEL:
             yield [group]
             continue
+        bucket, numel = open_buckets.pop(key(group), ([], 0))
         bucket.append(group)
         numel += group.layout.padded_numel
         if numel >= bucket_numel:
             yield bucket
-            bucket, numel = [], 0
-    if bucket:
+        else:
+            open_buckets[key(group)] = (bucket, numel)
+    for bucket, _ in sorted(open_buckets.values(), key=lambda entry: groups.index(entry[0][0])):
         yield bucket
 
 
@@ -211,7 +223,7 @@ def all_gather_updated(groups: list[FlatParamGroup], comm: Communicator, bucket_
     if not comm.active:
         return
     eligible = [g for g in groups if g.policy.shards_optimizer_state and not g.storage.sharded_between_uses]
-    for bucket in split_buckets(eligible, bucket_numel):
+    for bucket in split_buckets(eligible, bucket_numel, key=lambda g: g.storage.full.dtype):
         if len(bucket) == 1:
             bucket[0].gather_updated_shards()  # in place: the shard is a view of the full buffer
             continue

@@ -112,7 +112,10 @@ class ZeroUnit:
         source: ParamSource | None = None,
         offload: OffloadSettings = OffloadSettings(),
         buffers: BufferPool | None = None,
+        wire_dtype_of: dict[int, torch.dtype] | None = None,
     ) -> None:
+        """``wire_dtype_of``: parameter id -> the dtype it is gathered and reduced in, for the
+        parameters of [Note: lower-precision-safe modules] in hf_zero.engine.lower_precision."""
         self.index = index
         self.name = spec.name
         self.module: nn.Module = spec.module
@@ -122,6 +125,7 @@ class ZeroUnit:
                 trainable=param.requires_grad,
                 persistent=is_persistent(param, policy.shards_params, policy.persistence_threshold),
                 param_group_index=param_group_of.get(id(param), 0) if param.requires_grad else -1,
+                wire_dtype=(wire_dtype_of or {}).get(id(param)),
             )
             buckets.setdefault(kind, []).append((name, param))
         self.groups = [
@@ -187,16 +191,20 @@ class ZeroUnit:
         """Whether the sharded groups are gathered or being gathered."""
         return bool(self.sharded_numel) and self.param_state is not ParamState.SHARDED
 
-    def unshard(self, async_op: bool = False) -> None:
+    def unshard(self, async_op: bool = False, exact: bool = False) -> None:
         """Start gathering (``async_op``) or gather; no collective is issued unless the unit is
-        SHARDED."""
+        SHARDED, or, with ``exact`` (a full-precision gather, never async), unless a group holds
+        values gathered in a lower dtype ([Note: lower-precision-safe modules])."""
         if self.param_state is not ParamState.SHARDED:
             if not async_op:
                 self.wait_unshard()
+            if exact:
+                for group in self.groups:
+                    group.storage.make_exact()
             return
         self._move_params(ParamState.GATHERING if async_op else ParamState.GATHERED)
         for group in self.groups:
-            group.storage.unshard(async_op=async_op)
+            group.storage.unshard(async_op=async_op, exact=exact)
 
     def wait_unshard(self) -> None:
         if self.param_state is ParamState.GATHERING:
@@ -239,6 +247,6 @@ class ZeroUnit:
         self.inputs_done = False
 
 
-def _kind_order(item: tuple[GroupKind, list]) -> tuple[int, int, int]:
+def _kind_order(item: tuple[GroupKind, list]) -> tuple[int, int, int, str]:
     kind = item[0]
-    return (not kind.trainable, kind.persistent, kind.param_group_index)
+    return (not kind.trainable, kind.persistent, kind.param_group_index, str(kind.wire_dtype or ""))

@@ -35,6 +35,9 @@ class GroupKind:
     trainable: bool
     persistent: bool  # with policy.shards_params only: stays gathered between steps
     param_group_index: int  # the optimizer param group it steps in
+    # The dtype its stage-3 gathers and its gradient reductions send, where it is not the
+    # engine's: [Note: lower-precision-safe modules] in hf_zero.engine.lower_precision.
+    wire_dtype: torch.dtype | None = None
 
 
 class FlatParamGroup:
@@ -83,7 +86,7 @@ class FlatParamGroup:
         # group are one user ([Note: the buffer pool]).
         self.storage = ParamStorage(label, self.params, self.layout, self.shard_range, comm, sharded_between_uses,
                                     compute_dtype, device, source, buffers, pool_user=self,
-                                    lend_shard=not offload.optimizer_on_host)
+                                    lend_shard=not offload.optimizer_on_host, gather_dtype=kind.wire_dtype)
         leaves_device = offload.params_on_host and sharded_between_uses
         self.master_state = MasterState(label, self.storage.shard if kind.trainable else None, compute_dtype,
                                         offload, separate=leaves_device)

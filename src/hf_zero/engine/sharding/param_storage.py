@@ -75,9 +75,12 @@ class ParamStorage:
         buffers: BufferPool,
         pool_user: object,
         lend_shard: bool = False,
+        gather_dtype: torch.dtype | None = None,
     ) -> None:
         """``lend_shard``: lend the compute shard to the full buffer while gathered ([Note: the
-        shard lent to the gathered buffer]), where the store allows it."""
+        shard lent to the gathered buffer]), where the store allows it. ``gather_dtype``: the
+        dtype a gather sends, where it is not the compute dtype ([Note: lower-precision-safe
+        modules] in hf_zero.engine.lower_precision); such a shard is never lent."""
         self.label = label
         self.params = params
         self.layout = layout
@@ -91,7 +94,10 @@ class ParamStorage:
         self._pending_gather: Handle | None = None
         self.state = StorageState.GATHERED
         self.shard_range = shard_range
-        self._lend_shard = lend_shard and sharded_between_uses
+        self.gather_dtype = gather_dtype if gather_dtype != compute_dtype else None
+        self._lend_shard = lend_shard and sharded_between_uses and self.gather_dtype is None
+        self._received: torch.Tensor | None = None  # a gather's lower-dtype result, until it is widened
+        self.rounded = False  # the full buffer holds values gathered in gather_dtype
         lo, hi = shard_range
         lazy = source is not None and any(p.is_meta for p in params)
         if lazy and sharded_between_uses:
@@ -214,11 +220,11 @@ class ParamStorage:
     def is_unsharded(self) -> bool:
         return self.state is StorageState.GATHERED
 
-    def unshard(self, async_op: bool = False) -> None:
+    def unshard(self, async_op: bool = False, exact: bool = False) -> None:
         """Gather the full parameters (stage 3). Idempotent; ``wait_unshard`` finishes an
-        asynchronous gather."""
+        asynchronous gather. ``exact``: in the compute dtype, whatever ``gather_dtype`` says."""
         if self.sharded_between_uses and self.state is StorageState.SHARDED:
-            self.start_gather(async_op)
+            self.start_gather(async_op, exact)
             if not async_op:
                 self.wait_unshard()
 
@@ -232,13 +238,25 @@ class ParamStorage:
             if self.state is StorageState.GATHERED:
                 self.free()
 
-    def start_gather(self, async_op: bool) -> None:
+    def start_gather(self, async_op: bool, exact: bool = False) -> None:
         """SHARDED -> GATHERING: the full buffer gets memory and the all-gather into it starts."""
         self._expect(StorageState.SHARDED, "start a gather")
         if not self.buffers.acquire(self.full):
             raise RuntimeError(f"{self.label}: its storage is {self.state.value} but the full buffer already "
                                "has memory; only ParamStorage.free() may take it away")
         shard, copied = self.store.gather_input(self.full.device, reclaim=self.wait_unshard)
+        if self.gather_dtype is not None and not exact:
+            # [Note: lower-precision-safe modules]: the shard goes out in gather_dtype, and
+            # finish_gather widens what arrives into the full buffer.
+            copied.wait()
+            send = shard.to(self.gather_dtype)
+            self._received = torch.empty(self.full.numel(), dtype=self.gather_dtype, device=self.full.device)
+            self.state = StorageState.GATHERING
+            self.rounded = True
+            self._pending_gather = self.comm.all_gather_into(self._received, send, label=self.label,
+                                                             async_op=async_op)
+            return
+        self.rounded = False
         if self.lends_shard:
             # In place from this rank's chunk, which then holds the lent shard's values
             # ([Note: the shard lent to the gathered buffer]), whatever the backend writes there.
@@ -256,6 +274,9 @@ class ParamStorage:
         if self._pending_gather is not None:
             self._pending_gather.wait()
         self._pending_gather = None
+        if self._received is not None:
+            self.full.copy_(self._received)
+            self._received = None
         self.state = StorageState.GATHERED
         self.store.gather_done()
         if self.lends_shard:
@@ -264,6 +285,16 @@ class ParamStorage:
         # a read that no module hook waited for (a fused loss reading lm_head.weight) waits
         # for the values instead of reading the buffer's stale bytes.
         mark_gathered(self.params)
+
+    def make_exact(self) -> None:
+        """A gathered buffer that holds ``gather_dtype`` values gets every rank's exact values
+        (one all-gather in the compute dtype); otherwise nothing happens."""
+        if not self.rounded or self.state is not StorageState.GATHERED:
+            return
+        shard, copied = self.store.gather_input(self.full.device, reclaim=lambda: None)
+        self.comm.all_gather_into(self.full, shard, label=f"{self.label}.exact", after=(copied,))
+        self.store.gather_done()
+        self.rounded = False
 
     def free(self) -> None:
         """GATHERED -> SHARDED: free the full buffer; its parameters raise a clear error if read
