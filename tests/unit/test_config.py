@@ -478,14 +478,23 @@ def test_torch_autocast_keeps_fp32_weights_and_takes_the_precision_asked_for() -
     spelled = HfZeroConfig({"torch_autocast": {"enabled": True, "dtype": "BFloat16"}})
     assert spelled.autocast_dtype == torch.bfloat16
     assert HfZeroConfig({"torch_autocast": {"enabled": False, "dtype": "float16"}}).autocast_dtype is None
-    with pytest.raises(HfZeroConfigError, match="float16 was asked for .*train with --bf16"):
-        config.resolve(fp16=True)
+    # --fp16 with a null dtype autocasts to float16, with GradScaler's loss scale.
+    half = config.resolve(bf16=False, fp16=True)
+    assert half.autocast_dtype == torch.float16 and half.get_value("torch_autocast.dtype") == "float16"
+    assert half.precision_policy()["loss_scaling"] == {"mode": "dynamic", "initial_scale": 65536.0, "window": 1999,
+                                                       "hysteresis": 1, "consecutive_hysteresis": False, "min_scale": 1.0}
+    assert resolved.precision_policy()["loss_scaling"] is None  # bf16 autocast needs none
+    assert config.get_value("torch_autocast.dtype") is None  # resolving copies; the original is untouched
+    for written, asked in (("bfloat16", {"fp16": True}), ("half", {"bf16": True})):
+        other = HfZeroConfig({"torch_autocast": {"enabled": True, "dtype": written}, "bf16": {"enabled": "auto"},
+                              "fp16": {"enabled": "auto"}})
+        with pytest.raises(HfZeroConfigError, match=f"was asked for .*the config autocasts to .*write null"):
+            other.resolve(**{"bf16": False, "fp16": False, **asked})
 
 
 @pytest.mark.parametrize(("section", "message"), [
     ({"bf16": {"enabled": True}}, "bf16.enabled = True: cannot be enabled with torch_autocast"),
     ({"fp16": {"enabled": True}}, "fp16.enabled = True: cannot be enabled with torch_autocast"),
-    ({"torch_autocast": {"enabled": True, "dtype": "half"}}, "float16 autocast needs a loss scale"),
     ({"torch_autocast": {"enabled": True, "dtype": "fp32"}}, "autocast to float32 changes nothing"),
     ({"torch_autocast": {"enabled": True, "dtype": "int8"}}, "torch_autocast.dtype = 'int8': must be one of"),
 ])

@@ -17,7 +17,7 @@ from typing import Any
 
 from .batch import GAS, MICRO, TOTAL, Batch, derive_batch
 from .errors import ConfigProblem, ProblemList
-from .keys import KEY_TABLE, iter_specs
+from .keys import DTYPE_SPELLINGS, KEY_TABLE, iter_specs
 from .validate import AUTO, as_json, get_path, validate
 
 __all__ = ["RESOLVE_ARGUMENTS", "MATCHED_KEYS", "resolve_dict", "auto_paths"]
@@ -196,13 +196,20 @@ def _check_arguments(world_size: int | None, hidden_size: int | None, values: di
     return problems
 
 
-def _precision_as_autocast(values: dict[str, Any], problems: ProblemList) -> dict[str, Any]:
-    """The precision a Trainer or Accelerate asks for, under torch_autocast: bf16 is the autocast,
-    so fp16/bf16 "auto" fill with false ([Note: torch_autocast] in hf_zero_config.py)."""
-    if values.get("fp16"):
-        problems.add("torch_autocast.enabled", True, "float16 was asked for (--fp16, mixed_precision='fp16'), and "
-                     "float16 autocast needs a loss scale, which hf_zero's torch_autocast does not have yet",
-                     "train with --bf16 (autocast to bfloat16), or turn torch_autocast off for the fp16 section")
+def _precision_as_autocast(root: dict[str, Any], values: dict[str, Any], problems: ProblemList) -> dict[str, Any]:
+    """The precision a Trainer or Accelerate asks for, under torch_autocast: it is the autocast's
+    dtype, so fp16/bf16 "auto" fill with false ([Note: torch_autocast] in hf_zero_config.py). A
+    null ``torch_autocast.dtype`` takes the asked one (``root`` is the resolved copy, written
+    here); one that names the other 16-bit dtype is an error."""
+    asked = "fp16" if values.get("fp16") else "bf16" if values.get("bf16") else None
+    dtype = get_path(root, "torch_autocast.dtype", None)
+    written = DTYPE_SPELLINGS.get(dtype.lower()) if isinstance(dtype, str) else None
+    if asked is not None and written is None:
+        root["torch_autocast"]["dtype"] = {"fp16": "float16", "bf16": "bfloat16"}[asked]
+    elif asked is not None and written != asked:
+        flag = {"fp16": "--fp16, mixed_precision='fp16'", "bf16": "--bf16, mixed_precision='bf16'"}[asked]
+        problems.add("torch_autocast.dtype", dtype, f"{asked} was asked for ({flag}) and the config autocasts to {written}",
+                     f"write null to follow the command line, or train with --{written}")
     return {**values, **{name: False for name in ("fp16", "bf16") if name in values}}
 
 
@@ -216,11 +223,11 @@ def resolve_dict(
 ) -> tuple[dict[str, Any], ProblemList, str | None]:
     """Return (resolved copy, problems, batch note). `root` is left unchanged."""
     problems = _check_arguments(world_size, hidden_size, values)
+    resolved = copy.deepcopy(root)
     if get_path(root, "torch_autocast.enabled", False) is True:
-        values = _precision_as_autocast(values, problems)
+        values = _precision_as_autocast(resolved, values, problems)
     if problems:
         return root, problems, None
-    resolved = copy.deepcopy(root)
     if check_mismatches:
         problems += _mismatches(resolved, values)
     filled = _fill_autos(resolved, hidden_size, values)

@@ -41,6 +41,13 @@ logger = logging.getLogger("hf_zero")
 
 
 
+# torch.amp.GradScaler's defaults in DynamicLossScaler's terms ([Note: torch_autocast]): start at
+# 2**16, halve on every overflow (no hysteresis), double after 2000 clean steps (a window of
+# 1999: DeepSpeed's window counts one step fewer, engine/optim/loss_scaler.py).
+AUTOCAST_FP16_SCALING: dict[str, Any] = {"mode": "dynamic", "initial_scale": 2.0**16, "window": 1999, "hysteresis": 1,
+                                         "consecutive_hysteresis": False, "min_scale": 1.0}
+
+
 def _dtype(name: str) -> torch.dtype:
     """"fp16" | "bf16" | "fp32" as a torch dtype. torch is imported here, not at the top: checking
     a config needs none ([Note: the command imports torch late] in hf_zero.cli)."""
@@ -244,10 +251,12 @@ class HfZeroConfig:
     # torch.autocast, so each op on autocast's lists computes in bf16 from a bf16 copy of its fp32
     # inputs, as under DDP. With it on, a 16-bit section cannot be enabled (validate.py),
     # and the precision the Trainer or Accelerate asks for (--bf16) fills "auto" in fp16/bf16 with
-    # false and means autocast instead; --fp16 is refused, as float16 autocast needs a loss scale
-    # hf_zero's autocast does not have. The parameters of lower_precision_safe_modules are
-    # gathered and reduced in the autocast dtype: [Note: lower-precision-safe modules] in
-    # hf_zero.engine.lower_precision.
+    # false and means autocast instead, in the dtype asked for where torch_autocast.dtype is null
+    # (auto.py). float16 autocast scales the loss as torch.amp.GradScaler does by default, which
+    # is what DDP's --fp16 and DeepSpeed's torch_autocast use (AUTOCAST_FP16_SCALING): hf_zero's
+    # dynamic scaler with those settings, the fp16 section's keys not read. The parameters of
+    # lower_precision_safe_modules are gathered and reduced in the autocast dtype: [Note:
+    # lower-precision-safe modules] in hf_zero.engine.lower_precision.
     @property
     def autocast_dtype(self) -> torch.dtype | None:
         """The dtype the forward autocasts to ([Note: torch_autocast]), or None when it does not."""
@@ -303,6 +312,10 @@ class HfZeroConfig:
 
     def _loss_scaling(self) -> dict[str, Any] | None:
         fp16 = self.fp16
+        value = get_path(self._dict, "torch_autocast.dtype", None)
+        if (get_path(self._dict, "torch_autocast.enabled", False) is True and isinstance(value, str)
+                and DTYPE_SPELLINGS.get(value.lower()) == "fp16"):
+            return dict(AUTOCAST_FP16_SCALING)
         if not fp16.enabled:
             return None
         if not fp16.dynamic_loss_scale:

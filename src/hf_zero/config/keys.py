@@ -467,7 +467,7 @@ _SPECS: list[KeySpec] = [
                    "loss_scale", "cast_model_outputs", "num_losses", "verbosity", "min_loss_scale", "max_loss_scale")],
     KeySpec("torch_autocast", Section(), {}, "torch.autocast mixed precision."),
     KeySpec("torch_autocast.enabled", Bool(), False, "Run the forward under torch.autocast, as DDP's --bf16: weights, gradients and masters fp32, each op autocast lists in the lower dtype; the Trainer's and Accelerate's bf16 then mean this."),
-    KeySpec("torch_autocast.dtype", Choice(tuple(DTYPE_SPELLINGS), case_insensitive=True), None, "The autocast dtype; null means bfloat16 (float16, DeepSpeed's CUDA default, needs a loss scale hf_zero's autocast lacks: refused).", nullable=True),
+    KeySpec("torch_autocast.dtype", Choice(tuple(DTYPE_SPELLINGS), case_insensitive=True), None, "The autocast dtype; null means the Trainer's or Accelerate's (--fp16 float16, else bfloat16). float16 scales the loss as torch.amp.GradScaler's defaults do.", nullable=True),
     KeySpec("torch_autocast.lower_precision_safe_modules", StrList(), None, "Module classes (exact match, e.g. \"torch.nn.Linear\") whose own parameters are gathered (stage 3) and have their gradients reduced in the autocast dtype; null means Linear and Conv1d/2d/3d, [] none. A parameter tied to another module's stays fp32.", nullable=True),
     # -- optimizer (runtime/config.py, ops/adam/fused_adam.py) --
     KeySpec("optimizer", Section(), None, "The optimizer hf_zero builds; absent means the Trainer's / user's optimizer.", nullable=True),

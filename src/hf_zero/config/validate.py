@@ -306,10 +306,7 @@ def _check_autocast(root: dict[str, Any], problems: ProblemList) -> None:
                          "or turn torch_autocast off")
     dtype = get_path(root, "torch_autocast.dtype", None)
     short = DTYPE_SPELLINGS.get(str(dtype).lower()) if isinstance(dtype, str) else None
-    if short == "fp16":
-        problems.add("torch_autocast.dtype", dtype, "float16 autocast needs a loss scale, which hf_zero's torch_autocast "
-                     "does not have yet", 'write "bfloat16", or use the fp16 section (fp16 weights, a dynamic loss scale)')
-    elif short == "fp32":
+    if short == "fp32":
         problems.add("torch_autocast.dtype", dtype, "autocast to float32 changes nothing",
                      'write "bfloat16", or set torch_autocast.enabled to false')
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 from typing import Any, Callable, Iterable
 
 import torch
@@ -403,7 +404,7 @@ def initialize(
         loss_scaler = build_loss_scaler(**_loss_scaler_kwargs(resolved))
         nvme = _nvme_store(offload, comm.global_rank, trainable) if offload.optimizer == "nvme" else None
         overlapped = None
-        if offload.optimizer_on_host and can_overlap(inner, resolved.gradient_clipping, resolved.fp16.enabled,
+        if offload.optimizer_on_host and can_overlap(inner, resolved.gradient_clipping, loss_scaler is not None,
                                                      nvme=offload.optimizer == "nvme"):
             overlapped = functools.partial(OverlappedOffloadStep, device=device)
         zero_optimizer = ZeroOptimizer(inner, trainable, comm, resolved.gradient_clipping, policy,
@@ -662,6 +663,11 @@ def _offload_by_unit(config: HfZeroConfig, offload: OffloadSettings, specs: list
 
 
 def _loss_scaler_kwargs(config: HfZeroConfig) -> dict[str, Any]:
+    if config.autocast_dtype == torch.float16:  # [Note: torch_autocast]: GradScaler's defaults
+        scaling = config.precision_policy()["loss_scaling"]
+        return dict(enabled=True, loss_scale=0, initial_scale_power=int(math.log2(scaling["initial_scale"])),
+                    loss_scale_window=scaling["window"], hysteresis=scaling["hysteresis"],
+                    consecutive_hysteresis=scaling["consecutive_hysteresis"], min_loss_scale=scaling["min_scale"])
     fp16 = config.fp16
     return dict(
         enabled=fp16.enabled, loss_scale=fp16.loss_scale, initial_scale_power=fp16.initial_scale_power,
