@@ -45,7 +45,7 @@ from tests.integration.conftest import (
 )
 from tests.integration.test_trl import check_adapter, save_tiny_tokenizer, write_data
 
-STEPS = 4
+STEPS = 6  # the issue's six logged steps (the torch_autocast target)
 LOSS_REL = 2e-6
 GRAD_NORM_REL = 1e-5
 # zero job -> its DDP reference
@@ -125,7 +125,7 @@ def test_published_trl_script_trains_as_ddp(published_runs: dict[str, Any], name
 def test_published_sft_with_its_default_bf16_follows_ddp_under_torch_autocast(published_runs: dict[str, Any]) -> None:
     """TRL defaults to bf16=True, which DDP runs as autocast over fp32 weights: with torch_autocast
     in the config hf_zero runs the same forward ([Note: torch_autocast]), its Linear gradients
-    summed in bf16 ([Note: lower-precision-safe modules]: 2.8e-5 off DDP's curve, measured); the
+    summed in bf16 ([Note: lower-precision-safe modules]: 2.7e-5 off DDP's curve, measured); the
     bf16 section's bf16 weights are another computation."""
     ddp, autocast = _ok(published_runs, "sft-ddp-bf16"), _ok(published_runs, "sft-z3-autocast")
     weights = _ok(published_runs, "sft-z3-bf16")
