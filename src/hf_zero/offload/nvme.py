@@ -8,8 +8,8 @@ kernel on them with the (in-memory) fp32 gradient tile, write the updated comput
 into the rank's parameter shard, and write the three tiles back. Resident memory for the
 optimizer is therefore three tiles (six with ``pipeline_read``/``pipeline_write``, which read the
 next tile and write the last while a tile steps), whatever the model's size. Files are read and
-written with ``os.preadv`` / ``os.pwrite`` on I/O threads ([Note: NVMe I/O] in nvme_io.py):
-their pages live in the page cache, not in the process. The
+written with ``os.preadv`` / ``os.pwrite`` on I/O threads ([Note: NVMe I/O] in nvme_io.py),
+past the page cache where the filesystem allows ([Note: direct I/O] there). The
 folder is removed at a clean exit; a missing, read-only or too small ``nvme_path`` is an error
 before anything is written.
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import dataclasses
 import logging
 import os
 import re
@@ -28,7 +29,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from hf_zero.offload.nvme_io import AioSettings, FileIo, IoRequest, pread_all, pwrite_all
+from hf_zero.offload.nvme_io import (DIRECT_ALIGNMENT, AioSettings, FileIo, IoRequest, aligned_empty, aligned_up,
+                                     open_direct, pread_all, pwrite_all)
 from hf_zero.processes import pid_alive
 
 logger = logging.getLogger("hf_zero")
@@ -118,22 +120,43 @@ class NvmeOptimizerStore:
         # used] in hf_zero.engine.sharding.param_usage); None: every parameter at ``steps``.
         self.slot_steps: list[list[int] | None] = [None] * len(shard_numels)
         self.tile_numel = max(1, min(tile_numel, max(shard_numels, default=1)))
+        if aio.direct:  # tiles start on a block: [Note: direct I/O] in nvme_io.py
+            self.tile_numel = aligned_up(self.tile_numel, DIRECT_ALIGNMENT // 4)
+        # Per file: the buffered descriptor (any offset) and the step's, direct where allowed.
+        self._buffered: dict[tuple[int, str], int] = {}
         self._fds: dict[tuple[int, str], int] = {}
         for index, numel in enumerate(shard_numels):
             for state in STATES:
                 fd = os.open(self.path(index, state), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-                os.ftruncate(fd, numel * 4)  # zeros: the initial moments
-                self._fds[(index, state)] = fd
+                os.ftruncate(fd, aligned_up(numel * 4, DIRECT_ALIGNMENT))  # zeros: the initial moments
+                self._buffered[(index, state)] = fd
+        self.direct = aio.direct and all(self._open_direct(key) for key in self._buffered)
+        if not self.direct:
+            for fd in {fd for key, fd in self._fds.items() if fd != self._buffered[key]}:
+                os.close(fd)
+            self._fds = dict(self._buffered)
         # One set of tile buffers, two when tiles overlap ([Note: NVMe I/O] in nvme_io.py).
-        self._buffer_sets = [{s: torch.empty(self.tile_numel, dtype=torch.float32) for s in STATES}
+        self._buffer_sets = [{s: aligned_empty(self.tile_numel, torch.float32) for s in STATES}
                              for _ in range(2 if aio.pipeline else 1)]
-        self.io = FileIo(aio)
+        self.io = FileIo(dataclasses.replace(aio, direct=self.direct))
         # The next group's first tile, read while the last tile of a group stepped.
         self._prefetch: _ReadAhead | None = None
         self._last_stepped: int | None = None  # the group stepped before: which way the groups go
         # What the step did, in order, when a test asks (a list of (event, tile start)); None: off.
         self.trace: list[tuple[str, int]] | None = None
         atexit.register(self.close)
+
+    def _open_direct(self, key: tuple[int, str]) -> bool:
+        fd = open_direct(self.path(*key), "the NVMe optimizer state")
+        self._fds[key] = fd if fd is not None else self._buffered[key]
+        return fd is not None
+
+    def _io_view(self, buffer: torch.Tensor, numel: int) -> memoryview:
+        """The first ``numel`` elements of a tile buffer as the step moves them: whole blocks
+        under direct I/O (the tail past ``numel`` is the file's padding)."""
+        if self.direct:
+            numel = min(buffer.numel(), aligned_up(numel, DIRECT_ALIGNMENT // 4))
+        return byte_view(buffer[:numel])
 
     def path(self, index: int, state: str) -> str:
         return os.path.join(self.dir, f"group{index:04d}.{state}.fp32")
@@ -145,10 +168,10 @@ class NvmeOptimizerStore:
     def write(self, index: int, state: str, start: int, values: torch.Tensor) -> None:
         self._drop_prefetch()  # it may hold what this overwrites
         data = values.detach().to("cpu", torch.float32).contiguous()
-        pwrite_all(self._fds[(index, state)], byte_view(data), start * 4, self.path(index, state))
+        pwrite_all(self._buffered[(index, state)], byte_view(data), start * 4, self.path(index, state))
 
     def read_into(self, index: int, state: str, start: int, out: torch.Tensor) -> torch.Tensor:
-        pread_all(self._fds[(index, state)], byte_view(out), start * 4, self.path(index, state))
+        pread_all(self._buffered[(index, state)], byte_view(out), start * 4, self.path(index, state))
         return out
 
     def store_master(self, index: int, shard: torch.Tensor) -> None:
@@ -228,7 +251,8 @@ class NvmeOptimizerStore:
                         adamw=hyper.get("decoupled_weight_decay", True), grad_scale=grad_scale, clip_coef=clip_coef,
                     )
                 write_compute(buffers["master"], start)
-                writes[current] = [self._write_tile(index, state, start, buffers[state]) for state in STATES]
+                writes[current] = [self._write_tile(index, state, start, sets[current][state], stop - start)
+                                   for state in STATES]
                 if not pipelined:  # the next tile is read into these buffers
                     _wait(writes[0])
             for pending in writes:
@@ -262,12 +286,12 @@ class NvmeOptimizerStore:
         return self._submit_reads(index, start, stop, buffers)
 
     def _submit_reads(self, index: int, start: int, stop: int, buffers: dict[str, torch.Tensor]) -> list[IoRequest]:
-        return [self.io.read(self._fds[(index, state)], byte_view(buffers[state][: stop - start]), start * 4,
+        return [self.io.read(self._fds[(index, state)], self._io_view(buffers[state], stop - start), start * 4,
                              self.path(index, state)) for state in STATES]
 
-    def _write_tile(self, index: int, state: str, start: int, values: torch.Tensor) -> IoRequest:
+    def _write_tile(self, index: int, state: str, start: int, buffer: torch.Tensor, numel: int) -> IoRequest:
         self._note("write", start)
-        return self.io.write(self._fds[(index, state)], byte_view(values), start * 4, self.path(index, state))
+        return self.io.write(self._fds[(index, state)], self._io_view(buffer, numel), start * 4, self.path(index, state))
 
     def _note(self, event: str, start: int) -> None:
         if self.trace is not None:
@@ -308,13 +332,16 @@ class NvmeOptimizerStore:
     def close(self) -> None:
         self._drop_prefetch()
         self.io.close()
-        for (index, state), fd in self._fds.items():
+        for (index, state), fd in self._buffered.items():
             os.close(fd)
+            if self._fds[(index, state)] != fd:
+                os.close(self._fds[(index, state)])
             try:
                 os.remove(self.path(index, state))
             except OSError:
                 pass
         self._fds.clear()
+        self._buffered.clear()
         try:
             os.rmdir(self.dir)  # unless parameter files (offload_param nvme) still live in it
         except OSError:
