@@ -68,6 +68,7 @@ def _train_sequence_parallel(kind: str, attn: str, stage: int, size: int, optim:
                                               training_data=list(range(8)))
     losses = []
     for step in range(STEPS):
+        engine.reset_comm_stats()  # the last step's collectives are kept
         rows = _batch(step, engine.data_parallel_world_size)
         mine = rows[engine.data_parallel_rank * ROWS:(engine.data_parallel_rank + 1) * ROWS]
         loss = engine(input_ids=mine, labels=mine).loss
@@ -78,7 +79,7 @@ def _train_sequence_parallel(kind: str, attn: str, stage: int, size: int, optim:
         params = {n: p.detach().clone().tolist() for n, p in model.named_parameters()}
     sampler = loader.sampler
     info = {"dp": engine.data_parallel_world_size, "dp_rank": engine.data_parallel_rank,
-            "train_batch_size": engine.train_batch_size(),
+            "train_batch_size": engine.train_batch_size(), "all_to_all": engine.comm_stats().get("all_to_all"),
             "sampler": [getattr(sampler, "num_replicas", 1), getattr(sampler, "rank", 0)]}
     whole = _train_whole if dtype == "fp32" else _train_whole_bf16
     reference = whole(kind, attn, engine.data_parallel_world_size, optim) if dist.get_rank() == 0 else None
@@ -183,6 +184,21 @@ def test_sequence_parallel_equals_whole_sequences(kind: str, attn: str, stage: i
         assert _max_diff(result["params"], reference["params"]) < 2e-5
     moved = _max_diff(reference["params"], _initial_params(kind, attn))
     assert moved > 100 * 2e-5
+    assert all(r["info"]["all_to_all"] == _all_to_all_per_step(kind, size, checkpointing) for r in results), \
+        (results[0]["info"]["all_to_all"], _all_to_all_per_step(kind, size, checkpointing))
+
+
+def _all_to_all_per_step(kind: str, size: int, checkpointing: bool) -> dict[str, int] | None:
+    """What comm_stats() counts of a step's all-to-alls: per layer and pass (the forward, the
+    backward, and a recomputed forward under activation checkpointing) the queries, keys, values
+    (key/value heads repeated up to S) and the attention output, this rank's slice of each."""
+    if size == 1:
+        return None
+    local = -(-SEQ // size)
+    kv_heads = max(2 if kind == "llama" else 1, size)
+    per_pass = 2 * ROWS * 4 * local * 4 + 2 * ROWS * kv_heads * local * 4  # 4 query heads of 4
+    passes = 2 * (3 if checkpointing else 2)  # two layers
+    return {"calls": 4 * passes, "numel": per_pass * passes, "bytes": 4 * per_pass * passes}
 
 
 def _initial_params(kind: str, attn: str) -> dict[str, Any]:
@@ -194,7 +210,11 @@ def _refusals_and_eval() -> dict[str, Any]:
 
     import hf_zero
 
+    from trl.trainer.utils import add_fused_lm_head
+
+    fields = ("log_probs", "entropy", "is_top1")
     model = _model("llama")
+    add_fused_lm_head(model, outputs=fields)  # what TRL's SFTTrainer does to its model
     config = {"train_micro_batch_size_per_gpu": ROWS, "zero_optimization": {"stage": 3}, "sequence_parallel_size": 2}
     engine, _, _, _ = hf_zero.initialize(model=model, config=config, optimizer=_optimizer("adamw", model.parameters()))
     found: dict[str, Any] = {}
@@ -204,10 +224,6 @@ def _refusals_and_eval() -> dict[str, Any]:
         engine(input_ids=mine, labels=mine)
     except ValueError as exc:
         found["different"] = str(exc)
-    try:  # TRL's SFTTrainer: its loss comes from its own head over the local slice
-        engine(input_ids=rows, labels=rows, fused_lm_head=True)
-    except ValueError as exc:
-        found["fused"] = str(exc)
     engine.sequence_parallel._checked = False  # the first-batch check, once more
     mask = torch.ones_like(rows)
     mask[:, :2] = 0  # padding on the left
@@ -223,8 +239,18 @@ def _refusals_and_eval() -> dict[str, Any]:
     with torch.no_grad():
         found["eval_diff"] = float((logits - reference(input_ids=rows).logits).abs().max())
     found["eval_shape"] = list(logits.shape)
+    # TRL's fused head ([Note: TRL's fused head under sequence parallelism]): every rank holds the
+    # whole sequences' per-token outputs, as the whole model gives them, and their loss.
+    reference.train()
+    add_fused_lm_head(reference, outputs=fields)
+    expected = reference(input_ids=rows, labels=rows, fused_lm_head=True)
     engine.train()  # one step, saved, resumed without sequence parallelism: the states do not depend on S
-    engine.backward(engine(input_ids=rows, labels=rows).loss)
+    fused = engine(input_ids=rows, labels=rows, fused_lm_head=True)
+    found["fused_shape"] = [list(fused.log_probs.shape), list(expected.log_probs.shape)]
+    found["fused_diff"] = max(float((getattr(fused, f).float() - getattr(expected, f).float()).abs().max())
+                              for f in (*fields, "label_mask"))
+    found["fused_loss"] = [float(fused.loss), float(expected.loss)]
+    engine.backward(fused.loss)
     engine.step()
     folder = os.environ["SP_CHECKPOINT_DIR"]
     engine.save_checkpoint(folder, tag="sp")
@@ -246,7 +272,9 @@ def test_refusals_whole_sequence_evaluation_and_resume_without(tmp_path, monkeyp
     for found in results:
         assert "got different batches" in found["different"] and "data_parallel_rank" in found["different"]
         assert "padding on the right" in found["left"]
-        assert "TRL's fused_lm_head" in found["fused"] and "1/S of DDP's" in found["fused"]
+        assert found["fused_shape"] == [[ROWS, SEQ - 1]] * 2
+        assert found["fused_diff"] < 1e-5, found
+        assert found["fused_loss"][0] == pytest.approx(found["fused_loss"][1], rel=1e-6)
         assert found["eval_shape"] == [ROWS, SEQ, VOCAB]
         assert found["eval_diff"] < 1e-5
         assert found["resume_diff"] == 0.0 and found["moved"] > 1e-4

@@ -50,10 +50,11 @@ LOSS_REL = 2e-6
 GRAD_NORM_REL = 1e-5
 # zero job -> its DDP reference
 REFERENCES = {"sft-z3": "sft-ddp", "sft-z2": "sft-ddp", "sft-z3-lora": "sft-ddp-lora",
-              "dpo-z3": "dpo-ddp", "dpo-z2-lora": "dpo-ddp-lora", "dpo-z3-lora": "dpo-ddp-lora"}
+              "dpo-z3": "dpo-ddp", "dpo-z2-lora": "dpo-ddp-lora", "dpo-z3-lora": "dpo-ddp-lora",
+              "sft-z3-sp": "sft-ddp-half"}
 # DDP references between the hf_zero jobs: a stage-3 config leaking into a DDP job is caught
 ORDER = ["sft-ddp", "sft-z3", "sft-z2", "sft-ddp-lora", "sft-z3-lora", "dpo-z3", "dpo-ddp", "dpo-z2-lora",
-         "dpo-ddp-lora", "dpo-z3-lora", "sft-z3-autocast", "sft-ddp-bf16", "sft-z3-bf16"]
+         "dpo-ddp-lora", "dpo-z3-lora", "sft-z3-autocast", "sft-ddp-bf16", "sft-z3-bf16", "sft-z3-sp", "sft-ddp-half"]
 LORA = ["--use_peft", "--lora_r", "4"]
 
 
@@ -66,15 +67,19 @@ def _args(model: str, data: str, output_dir: str) -> list[str]:
 
 
 def _job(name: str, root: Path, model: Path, data: dict[str, Path], configs: dict[Any, str]) -> dict[str, Any]:
-    """``script-where[-lora|-bf16|-autocast]``: ``bf16`` and ``autocast`` keep TRL's default
-    ``bf16=True``, ``autocast`` with torch_autocast in the config."""
+    """``script-where[-lora|-bf16|-autocast|-sp|-half]``: ``bf16`` and ``autocast`` keep TRL's
+    default ``bf16=True``, ``autocast`` with torch_autocast in the config; ``sp``: the two ranks are
+    one sequence-parallel group of 2 (one data-parallel rank), ``half``: one sample a rank, so that
+    DDP's global batch is the ``sp`` run's."""
     script, where, *extra = name.split("-")
     argv = [*_args(str(model), str(data[script]), str(root / name)), *(LORA if "lora" in extra else [])]
     if "bf16" in extra or "autocast" in extra:
         argv = argv[:-2]  # TRL's default bf16=True
+    if "half" in extra:
+        argv[argv.index("--per_device_train_batch_size") + 1] = "1"
     job: dict[str, Any] = {"name": name, "module": f"trl.scripts.{script}", "argv": argv}
     if where != "ddp":
-        job["zero_config"] = configs[(int(where[1:]), "autocast" in extra)]
+        job["zero_config"] = configs[(int(where[1:]), "sp" if "sp" in extra else "autocast" in extra)]
     return job
 
 
@@ -92,6 +97,7 @@ def published_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         Path(written).rename(folder / "train.jsonl")  # a local folder: load_dataset(folder)["train"]
     configs = {(stage, False): write_config(root / f"zero{stage}.json", stage) for stage in (2, 3)}
     configs[(3, True)] = write_config(root / "zero3-autocast.json", 3, torch_autocast={"enabled": True})
+    configs[(3, "sp")] = write_config(root / "zero3-sp.json", 3, sequence_parallel_size=2)
     plan = {"jobs": [_job(name, root, model, data, configs) for name in ORDER], "steps": STEPS,
             "out": str(root / "results.json")}
     (root / "plan.json").write_text(json.dumps(plan))
@@ -134,6 +140,15 @@ def test_published_sft_with_its_default_bf16_follows_ddp_under_torch_autocast(pu
     assert weights["loss"][0] != pytest.approx(ddp["loss"][0], rel=1e-6), (weights["loss"], ddp["loss"])
     assert autocast["engine"] and weights["engine"] and not ddp["engine"]
     print("sft bf16: DDP", ddp["loss"], "torch_autocast", autocast["loss"], "bf16 weights", weights["loss"])
+
+
+def test_published_sft_under_sequence_parallelism_logs_ddp_metrics(published_runs: dict[str, Any]) -> None:
+    """SFTTrainer's fused LM head under sequence_parallel_size 2 ([Note: TRL's fused head under
+    sequence parallelism]): besides the loss and gradient norm (test above), its token accuracy
+    and entropy are DDP's on the whole sequences, where each rank's slice alone gives others."""
+    sp, ddp = _ok(published_runs, "sft-z3-sp"), _ok(published_runs, "sft-ddp-half")
+    assert sp["mean_token_accuracy"] == pytest.approx(ddp["mean_token_accuracy"], rel=1e-6)
+    assert sp["entropy"] == pytest.approx(ddp["entropy"], rel=1e-5)
 
 
 @pytest.mark.parametrize("name", ["sft-z3", "sft-z2", "dpo-z3"])

@@ -89,6 +89,7 @@ def run_job(job: dict[str, Any], steps: int) -> dict[str, Any]:
     history = _history(output_dir, steps)
     return {"loss": [h["loss"] for h in history], "grad_norm": [h["grad_norm"] for h in history],
             "learning_rate": [h["learning_rate"] for h in history],
+            **{metric: [h.get(metric) for h in history] for metric in ("mean_token_accuracy", "entropy")},
             "engine": all("hf_zero/grad_norm" in h for h in history), "output_dir": output_dir,
             "seconds": time.perf_counter() - started}
 

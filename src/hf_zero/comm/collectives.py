@@ -335,6 +335,12 @@ class Communicator:
         if self.trace is not None:
             self.trace.append((kind, label))
 
+    def count_issued_elsewhere(self, kind: str, label: str, tensor: torch.Tensor) -> None:
+        """Count a collective issued outside this communicator on a group of the same run
+        (sequence parallelism's, inside autograd: hf_zero.sequence_parallel.exchange), so that
+        ``comm_stats()`` holds every collective of a step."""
+        self._count(kind, label, tensor)
+
     def reset_stats(self) -> None:
         self.stats = CommStats()
 

@@ -329,7 +329,8 @@ def initialize(
     comm = _shard_groups(comm, resolved)
     sequence_parallel = None
     if _sequence_parallel_size(resolved) > 1:  # [Note: sequence-parallel layout]
-        layout = make_layout(_sequence_parallel_size(resolved), device, timeout_s=comm.timeout_s)
+        layout = make_layout(_sequence_parallel_size(resolved), device, timeout_s=comm.timeout_s,
+                             count=comm.count_issued_elsewhere)
         sequence_parallel = SequenceParallel(model, layout)
     if _tiled_loss_tokens(resolved):  # [Note: tiled logits and loss]
         install_tiled_loss(causal_lm_heads(model), _tiled_loss_tokens(resolved),

@@ -56,12 +56,9 @@ def shard_inputs(layout: SequenceParallelLayout, args: tuple[Any, ...], kwargs: 
     if tokens is None:
         raise ValueError("sequence parallelism needs input_ids or inputs_embeds in the model call")
     batch, length = tokens.shape[0], tokens.shape[1]
-    if kwargs.get("fused_lm_head"):
-        raise ValueError(
-            "sequence parallelism: this call asks for TRL's fused_lm_head, whose loss and metrics TRL computes "
-            "from each rank's slice of the sequence, not over the group (the gradient would be 1/S of DDP's); "
-            "train TRL's SFTTrainer without sequence_parallel_size, or use transformers' Trainer, whose loss "
-            "goes through the model")
+    if kwargs.get("fused_lm_head") and kwargs.get("shift_labels") is not None:
+        raise ValueError("sequence parallelism shifts the labels itself: call the model with labels=..., "
+                         "not shift_labels=...")
     if kwargs.get("past_key_values") is not None:
         raise ValueError("sequence parallelism trains on whole sequences; a call with past_key_values "
                          "(generation) must run in eval mode (model.eval())")
@@ -83,6 +80,10 @@ def shard_inputs(layout: SequenceParallelLayout, args: tuple[Any, ...], kwargs: 
         else:
             value = _pad(value, extra, _PAD_VALUES.get(name, pad_token_id if name == "input_ids" else 0))
         kwargs[name] = value[:, start:start + local]
+    if kwargs.get("fused_lm_head") and kwargs.get("labels") is not None:
+        # TRL's fused head scores shift_labels as they are ([Note: TRL's fused head under
+        # sequence parallelism] in fused_head.py); labels it would shift again.
+        kwargs["shift_labels"] = kwargs.pop("labels")
     return (), kwargs
 
 

@@ -1,8 +1,11 @@
-"""The two collectives of sequence parallelism, differentiable: the all-to-all that trades the
-sequence for the heads around attention, and the sum over the group that makes the loss.
+"""The collectives of sequence parallelism, differentiable: the all-to-all that trades the
+sequence for the heads around attention, the sum over the group that makes the loss, and the
+gather of per-token outputs along the sequence (TRL's fused head).
 
 Both run on the sequence-parallel group only and inside autograd (a forward collective has its
-adjoint in the backward): the engine's own collectives, labels and statistics are not involved.
+adjoint in the backward), outside the engine's communicator; ``count`` (the engine's
+``Communicator.count_issued_elsewhere``) adds each one, forward and backward, to
+``comm_stats()``.
 """
 
 from __future__ import annotations
@@ -18,19 +21,21 @@ class _AllToAll(torch.autograd.Function):
     ``j``. The exchange is its own adjoint, so the backward is the same exchange."""
 
     @staticmethod
-    def forward(ctx: Any, chunks: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
+    def forward(ctx: Any, chunks: torch.Tensor, group: dist.ProcessGroup, count: Counter | None) -> torch.Tensor:
+        ctx.group, ctx.count = group, count
         chunks = chunks.contiguous()
         out = torch.empty_like(chunks)  # contiguous: empty_like keeps a view's strides
+        _counted(count, "all_to_all", "sequence_parallel.attention", chunks)
         dist.all_to_all_single(out, chunks, group=group)
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         grad = grad.contiguous()
         out = torch.empty_like(grad)
+        _counted(ctx.count, "all_to_all", "sequence_parallel.attention.backward", grad)
         dist.all_to_all_single(out, grad, group=ctx.group)
-        return out, None
+        return out, None, None
 
 
 class _SumOverGroup(torch.autograd.Function):
@@ -38,29 +43,72 @@ class _SumOverGroup(torch.autograd.Function):
     every rank's input reaches every rank's output."""
 
     @staticmethod
-    def forward(ctx: Any, value: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
+    def forward(ctx: Any, value: torch.Tensor, group: dist.ProcessGroup, count: Counter | None) -> torch.Tensor:
+        ctx.group, ctx.count = group, count
         total = value.clone()
+        _counted(count, "all_reduce", "sequence_parallel.loss", total)
         dist.all_reduce(total, group=group)
         return total
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         total = grad.clone()
+        _counted(ctx.count, "all_reduce", "sequence_parallel.loss.backward", total)
         dist.all_reduce(total, group=ctx.group)
-        return total, None
+        return total, None, None
 
 
-def all_to_all(chunks: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+class _GatherSequence(torch.autograd.Function):
+    """Every rank's ``[batch, local]`` slice, concatenated along dimension 1 in rank order. Each
+    rank's output reads every rank's input, so the backward sums the ranks' gradients and keeps
+    this rank's slice (a reduce-scatter, as an all-reduce: the tensors are per-token scalars)."""
+
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor, group: dist.ProcessGroup, count: Counter | None) -> torch.Tensor:
+        ctx.group, ctx.count, ctx.local = group, count, value.shape[1]
+        ctx.rank = dist.get_rank(group)
+        parts = [torch.empty_like(value) for _ in range(dist.get_world_size(group))]
+        _counted(count, "all_gather", "sequence_parallel.fused_head", value)
+        dist.all_gather(parts, value.contiguous(), group=group)
+        return torch.cat(parts, dim=1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        total = grad.contiguous().clone()
+        _counted(ctx.count, "all_reduce", "sequence_parallel.fused_head.backward", total)
+        dist.all_reduce(total, group=ctx.group)
+        return total.narrow(1, ctx.rank * ctx.local, ctx.local), None, None
+
+
+Counter = Callable[[str, str, torch.Tensor], None]  # (kind, label, tensor): Communicator.count_issued_elsewhere
+
+
+def _counted(count: Counter | None, kind: str, label: str, tensor: torch.Tensor) -> None:
+    if count is not None:
+        count(kind, label, tensor)
+
+
+def all_to_all(chunks: torch.Tensor, group: dist.ProcessGroup, count: Counter | None = None) -> torch.Tensor:
     """Differentiable all-to-all over dimension 0, which must have one chunk per rank."""
     if chunks.shape[0] != dist.get_world_size(group):
         raise ValueError(f"all_to_all needs one chunk per rank on dimension 0, got {tuple(chunks.shape)}")
-    return _AllToAll.apply(chunks, group)
+    return _AllToAll.apply(chunks, group, count)
 
 
-def sum_over_group(value: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def sum_over_group(value: torch.Tensor, group: dist.ProcessGroup, count: Counter | None = None) -> torch.Tensor:
     """Differentiable sum of ``value`` over the ranks of ``group``."""
-    return _SumOverGroup.apply(value, group)
+    return _SumOverGroup.apply(value, group, count)
+
+
+def gather_sequence(value: torch.Tensor, group: dist.ProcessGroup, count: Counter | None = None) -> torch.Tensor:
+    """Every rank's ``[batch, local, ...]`` slice of ``group`` along dimension 1, differentiable
+    for a tensor that requires grad (bool tensors travel as bytes)."""
+    if value.requires_grad:
+        return _GatherSequence.apply(value, group, count)
+    with torch.no_grad():
+        moved = value.to(torch.uint8) if value.dtype == torch.bool else value
+        gathered = _GatherSequence.apply(moved, group, count)
+    return gathered.bool() if value.dtype == torch.bool else gathered
 
 
 def heads_to_sequence(states: torch.Tensor, size: int, send: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hf_zero.sequence_parallel.exchange import all_to_all
+from hf_zero.sequence_parallel.exchange import Counter, all_to_all
 
 
 @dataclass(frozen=True)
@@ -29,10 +29,11 @@ class SequenceParallelLayout:
     data_parallel_size: int  # world / S
     group: dist.ProcessGroup  # this rank's sequence-parallel group
     device: torch.device  # where the group's collectives take their tensors
+    count: Counter | None = None  # counts the group's collectives into the engine's comm_stats()
 
     def all_to_all(self, chunks: torch.Tensor) -> torch.Tensor:
         """The group's differentiable all-to-all over dimension 0 ([Note: Ulysses attention])."""
-        return all_to_all(chunks, self.group)
+        return all_to_all(chunks, self.group, self.count)
 
 
 def configured_size(config: dict[str, Any]) -> int:
@@ -56,7 +57,8 @@ def data_parallel_place(size: int, rank: int, world_size: int) -> tuple[int, int
     return rank // size, world_size // size
 
 
-def make_layout(size: int, device: torch.device, timeout_s: float | None = None) -> SequenceParallelLayout:
+def make_layout(size: int, device: torch.device, timeout_s: float | None = None,
+                count: Counter | None = None) -> SequenceParallelLayout:
     """Make every rank's group (``new_group`` is collective: every rank makes all of them, in one
     order) and return this rank's layout."""
     world, me = dist.get_world_size(), dist.get_rank()
@@ -69,4 +71,4 @@ def make_layout(size: int, device: torch.device, timeout_s: float | None = None)
             mine = made
     assert mine is not None
     return SequenceParallelLayout(size=size, rank=me % size, data_parallel_rank=me // size,
-                                  data_parallel_size=world // size, group=mine, device=device)
+                                  data_parallel_size=world // size, group=mine, device=device, count=count)

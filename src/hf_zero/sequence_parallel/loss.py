@@ -43,13 +43,15 @@ def mean_over_tokens(local_sum: torch.Tensor, labels: torch.Tensor, num_items_in
                      layout: SequenceParallelLayout | None, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """A token-loss sum divided by the real tokens (or ``num_items_in_batch``); with ``layout``
     both are the group's ([Note: the sequence-parallel loss])."""
-    total = local_sum if layout is None else sum_over_group(local_sum, layout.group)
+    total = local_sum if layout is None else sum_over_group(local_sum, layout.group, layout.count)
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(total.device)
         return total / num_items_in_batch
     count = (labels != ignore_index).sum().to(device=total.device, dtype=torch.float32)
     if layout is not None:
+        if layout.count is not None:
+            layout.count("all_reduce", "sequence_parallel.tokens", count)
         dist.all_reduce(count, group=layout.group)
     return total / count.clamp(min=1)
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from hf_zero.sequence_parallel.attention import SUPPORTED, AttentionCalls, attach, check_heads
 from hf_zero.sequence_parallel.batch import shard_inputs
+from hf_zero.sequence_parallel.fused_head import is_fused_output, whole_sequence_outputs
 from hf_zero.sequence_parallel.layout import SequenceParallelLayout
 from hf_zero.sequence_parallel.loss import SequenceParallelLossFunction
 
@@ -72,22 +74,37 @@ class SequenceParallel:
         self.pad_token_id = getattr(config, "pad_token_id", None) or 0
         self._checked = False
         self._calls_at_start = 0
+        self._fused_call: tuple[int, Any] | None = None  # (sequence length, num_items_in_batch) of a fused call
         attach(model, config._attn_implementation, layout)
         for head in causal_lm_heads(model):
             if not isinstance(head.loss_function, SequenceParallelLossFunction):
                 head.loss_function = SequenceParallelLossFunction(head, layout, head.loss_function)
         self._handles = [model.register_forward_pre_hook(self._shard, with_kwargs=True),
-                         model.register_forward_hook(self._check_attention_ran)]
+                         model.register_forward_hook(self._after_forward)]
 
     def _shard(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if not module.training:
             return None
         check, self._checked = not self._checked, True
         self._calls_at_start = AttentionCalls.count
+        self._fused_call = None
+        if kwargs.get("fused_lm_head"):  # [Note: TRL's fused head under sequence parallelism]
+            tokens = kwargs.get("input_ids", args[0] if args else kwargs.get("inputs_embeds"))
+            if torch.is_tensor(tokens):  # else shard_inputs says what is missing
+                self._fused_call = (int(tokens.shape[1]), kwargs.get("num_items_in_batch"))
         return shard_inputs(self.layout, args, kwargs, self.pad_token_id, check)
 
-    def _check_attention_ran(self, module: nn.Module, args: Any, output: Any) -> None:
-        if module.training and AttentionCalls.count == self._calls_at_start:
+    def _after_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if not module.training:
+            return None
+        self._check_attention_ran(module)
+        fused, self._fused_call = self._fused_call, None
+        if fused is not None and is_fused_output(output):
+            return whole_sequence_outputs(output, self.layout, *fused)
+        return None
+
+    def _check_attention_ran(self, module: nn.Module) -> None:
+        if AttentionCalls.count == self._calls_at_start:
             raise RuntimeError(
                 f"{type(module).__name__}'s attention did not go through hf_zero's sequence-parallel attention, "
                 "so each rank attended only to its own slice of the sequence; this model calls its attention "
