@@ -398,3 +398,35 @@ def test_bf16_sequence_parallel_follows_bf16_data_parallelism(kind: str, stage: 
         assert abs(ours - theirs) <= 3e-2, (mean, reference["losses"])
     for result in results:
         assert _update_error(result["params"], reference) <= 0.15
+
+
+def _compiled_and_eager(compiled: bool) -> dict[str, Any]:
+    import hf_zero
+
+    model = _model("llama")
+    config = {"train_micro_batch_size_per_gpu": ROWS, "zero_optimization": {"stage": 3}, "sequence_parallel_size": 2}
+    engine, _, _, _ = hf_zero.initialize(model=model, config=config, optimizer=_optimizer("adamw", model.parameters()))
+    if compiled:
+        engine.compile(backend="aot_eager")  # Dynamo and AOTAutograd, as inductor traces (test_compiled_units.py)
+    losses = []
+    for step in range(3):
+        rows = _batch(step, 1)
+        loss = engine(input_ids=rows, labels=rows).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    return {"losses": losses, "compiled": engine.is_compiled, "all_to_all": engine.comm_stats()["all_to_all"]["calls"]}
+
+
+def _compiled_worker() -> dict[str, Any]:
+    return {"compiled": _compiled_and_eager(True), "eager": _compiled_and_eager(False)}
+
+
+def test_compiled_units_under_sequence_parallelism_train_as_eager() -> None:
+    """engine.compile() with sequence_parallel_size 2: the units compile around the sequence-parallel
+    attention (its all-to-alls run inside the compiled forward and backward) and train as eager."""
+    for result in run_distributed(_compiled_worker, 2):
+        compiled, eager = result["compiled"], result["eager"]
+        assert compiled["compiled"] and not eager["compiled"]
+        assert compiled["losses"] == eager["losses"], (compiled, eager)
+        assert compiled["all_to_all"] == eager["all_to_all"] > 0
