@@ -88,7 +88,7 @@ def start_bucket(
     hf_zero.engine.lower_precision: a bucket holds groups of one)."""
     if not groups:
         return None
-    reduce_dtype = wire_dtype(groups[0], reduce_dtype)
+    reduce_dtype = groups[0].kind.wire_dtype or reduce_dtype  # one per bucket: split_buckets' key
     if len(groups) == 1 or not comm.active:
         # Nothing to pack: a lone group (or world size 1) reduces in place, group by group.
         started = [(g, g.grads.start_reduce(reduce_dtype, async_op)) for g in groups]
@@ -182,12 +182,6 @@ class ReduceSchedule:
         while self.next < len(self.buckets):
             self.next += 1
             yield [g for _, g in self.buckets[self.next - 1]]
-
-
-def wire_dtype(group: FlatParamGroup, default: torch.dtype) -> torch.dtype:
-    """The dtype ``group``'s gradients are reduced in: its own ([Note: lower-precision-safe
-    modules] in hf_zero.engine.lower_precision), else ``default``."""
-    return group.kind.wire_dtype or default
 
 
 def split_buckets(groups: list[FlatParamGroup], bucket_numel: int,
