@@ -2,7 +2,8 @@
 ``import-deepspeed``, ``export-dcp``, ``import-dcp``, ``estimate`` and ``launch`` (``accelerate
 launch`` with an ``hf_zero:`` section in its yaml).
 
-[Note: the command imports torch late] Building the parser, ``--version`` and ``check-config``
+[Note: the command imports torch late]
+Building the parser, ``--version`` and ``check-config``
 import neither torch nor transformers (importing torch alone takes 1-20 s on a busy machine):
 ``hf_zero/__init__.py`` loads the engine on first use, hf_zero.config imports torch only where a
 dtype or a torch class is asked for, and the demo's flags live here, not in hf_zero.demo.
@@ -522,7 +523,7 @@ def _add_export_and_estimate(sub: argparse._SubParsersAction) -> None:
 
 # [Note: why hf-zero launch exists]
 # ``accelerate launch --config_file x.yaml`` rejects unknown top-level yaml keys and its
-# ``distributed_type`` is a closed enum (research/hf_integration.md section 4), so a yaml cannot
+# ``distributed_type`` is a closed enum (``accelerate.utils.DistributedType``), so a yaml cannot
 # carry the ZeRO config. ``hf-zero launch`` takes the ``hf_zero:`` section out, writes the rest
 # to a temporary yaml, puts the section into ``HF_ZERO_*`` environment variables (every launcher
 # copies the environment to its processes; HfZeroPlugin reads them) and runs ``accelerate

@@ -87,8 +87,7 @@ def zero_config(args: argparse.Namespace) -> dict[str, Any]:
         "gradient_clipping": 1.0,
         "bf16": {"enabled": args.dtype == "bf16"},
         "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
-        # [Note: the demo's schedule]
-        "scheduler": {"type": "WarmupCosineLR", "params": {
+        "scheduler": {"type": "WarmupCosineLR", "params": {  # [Note: the demo's schedule]
             "warmup_num_steps": max(1, args.steps // 4), "warmup_min_ratio": 0.2,
             "total_num_steps": args.steps, "warmup_type": "linear"}},
         "zero_optimization": {"stage": args.stage, "stage3_param_persistence_threshold": 0},

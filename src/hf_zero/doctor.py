@@ -5,7 +5,8 @@ backend hf_zero's kernels use, pinned host memory, transformers and accelerate),
 CUDA suite (``tests/cuda_suite.py`` names its files) with pytest in the checkout hf_zero was
 installed from, streaming its output, and ends with one verdict line and the duration.
 
-[Note: what a pass is] The suite skips loudly where it cannot run (tests/cuda_suite.py), so
+[Note: what a pass is]
+The suite skips loudly where it cannot run (tests/cuda_suite.py), so
 pytest's exit status alone would call a machine without a GPU, or without compiled triton,
 green. The doctor passes only when pytest exits 0, at least one test passed and none was
 skipped; without CUDA it does not start pytest at all and exits 1.

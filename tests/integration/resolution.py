@@ -13,7 +13,7 @@ import json
 from types import SimpleNamespace
 from typing import Any
 
-# The config of research/hf_resolved_config_example.json before transformers filled it.
+# A LLaMA-Factory-style ZeRO-3 config before transformers filled it (what HfTrainerDeepSpeedConfig resolves).
 AUTO_EXAMPLE: dict[str, Any] = {
     "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
     "gradient_clipping": "auto", "fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"},

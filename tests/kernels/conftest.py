@@ -1,6 +1,7 @@
 """Kernel tests run twice: in this process, and again under Triton's interpreter in a subprocess.
 
-[Note: two runs] Triton fixes "interpreted or compiled" for every ``@triton.jit`` function when it
+[Note: two runs]
+Triton fixes "interpreted or compiled" for every ``@triton.jit`` function when it
 is decorated, its own library included (``tl.zeros`` and friends are jit functions decorated when
 ``triton.language`` is first imported). One process therefore cannot hold both modes, and other
 test directories may import triton first. So the kernel test files are written against whatever

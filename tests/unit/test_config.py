@@ -264,8 +264,8 @@ def test_wrong_argument_type() -> None:
 # ---- "auto" resolution ----------------------------------------------------------------------
 
 
-def test_resolves_the_research_example_exactly() -> None:
-    """transformers' resolved config (research/hf_resolved_config_example.json, one rank)."""
+def test_resolves_transformers_example_exactly() -> None:
+    """transformers' resolved config (HfTrainerDeepSpeedConfig's output for one rank)."""
     config = HfZeroConfig(AUTO_EXAMPLE)
     resolved = config.resolve(world_size=1, **TRAINER_VALUES)
     expected = json.loads(RESOLVED_EXAMPLE)
@@ -369,7 +369,7 @@ def test_compute_dtype_needs_resolved_precision() -> None:
 
 
 def test_deepspeed_defaults() -> None:
-    """Absent keys read DeepSpeed 0.19's defaults (research/anchors_deepspeed_fsdp.md section 1)."""
+    """Absent keys read DeepSpeed 0.19's defaults (its runtime/*config.py and constants.py)."""
     config = HfZeroConfig({})
     zero = config.zero
     assert (zero.stage, zero.contiguous_gradients, zero.reduce_scatter, zero.overlap_comm) == (0, True, True, False)

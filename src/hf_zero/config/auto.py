@@ -1,6 +1,7 @@
 """Fill "auto" exactly as transformers' HfTrainerDeepSpeedConfig does, and report mismatches.
 
-research/hf_integration.md section 1 has the table. Which key is filled from which
+The table is ``HfTrainerDeepSpeedConfig.trainer_config_process`` in
+``transformers/integrations/deepspeed.py``. Which key is filled from which
 ``resolve(...)`` argument lives in the key table (``KeySpec.auto_from``); this module computes the
 values. Two deliberate differences from transformers:
 

@@ -15,7 +15,7 @@ Sources: DeepSpeed 0.19.x ``runtime/constants.py``, ``runtime/config.py``, ``run
 ``runtime/zero/offload_config.py``, ``runtime/precision_config.py``, ``runtime/lr_schedules.py``,
 ``monitor/config.py``, ``comm/constants.py``, ``profiling/constants.py``,
 ``runtime/swap_tensor/constants.py``, ``runtime/activation_checkpointing/config.py``,
-``runtime/model_checkpointing/constants.py`` (research/anchors_deepspeed_fsdp.md section 1), plus
+``runtime/model_checkpointing/constants.py`` (DeepSpeed 0.19), plus
 the keys newer releases added, so a config written for a newer DeepSpeed still loads.
 """
 

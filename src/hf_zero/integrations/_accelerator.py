@@ -1,6 +1,6 @@
 """HfZeroAccelerator: an ``accelerate.Accelerator`` whose ``prepare`` returns a ZeroEngine.
 
-Accelerate has no plugin registry (research/hf_integration.md section 4), so hf_zero enters as a
+Accelerate has no plugin registry (``DistributedType`` is a closed enum), so hf_zero enters as a
 subclass. It behaves like Accelerate's DeepSpeed path, without the deepspeed package:
 
 - ``prepare(model, optimizer, scheduler, dataloaders...)`` wraps the model with
@@ -191,15 +191,15 @@ class HfZeroAccelerator(Accelerator):
                 "`accelerate launch --multi_gpu --num_processes N` (or use_cpu: true in the yaml), or pass "
                 "cpu=True to the accelerator, so the processes join over gloo")
         self.hf_zero_plugin = hf_zero_plugin
-        # [Note: who resolves "auto"] With a plugin (or the environment) this accelerator runs a
+        # [Note: who resolves "auto"]
+        # With a plugin (or the environment) this accelerator runs a
         # custom loop: prepare() fills "auto" from what it sees and keeps Accelerate's
         # accumulation steps equal to the config's. With hf_zero_config= (the Trainer
         # integration) the Trainer has resolved the config and counts accumulation itself.
         self._owns_accumulation = hf_zero_config is None
         self.hf_zero_config: HfZeroConfig | None = config
         self.hf_zero_engine: ZeroEngine | None = None
-        # [Note: "auto" clipping follows the script]
-        self._clip_follows_script = False
+        self._clip_follows_script = False  # [Note: "auto" clipping follows the script]
         self._pending_step: ZeroEngine | None = None
         self._memory_report_dir = os.environ.get(MEMORY_REPORT_ENV) if config is not None else None
 

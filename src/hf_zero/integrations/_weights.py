@@ -40,7 +40,7 @@ def engine_of(model: nn.Module | None) -> ZeroEngine | None:
 
 def attach_engine(engine: ZeroEngine) -> None:
     """Record the engine on its module, and under stage 3 set the flag transformers reads to pass
-    ``synced_gpus=True`` to ``generate`` (research/hf_integration.md section 3): a rank that has
+    ``synced_gpus=True`` to ``generate`` (``is_deepspeed_zero3_enabled``, read by ``GenerationMixin``): a rank that has
     finished generating keeps running forwards, so the other ranks' unit gathers still complete.
     Under stage 3 the module's ``save_pretrained`` also gathers its weights first: see
     [Note: save_pretrained on a stage-3 module]."""

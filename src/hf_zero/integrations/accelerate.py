@@ -1,7 +1,7 @@
 """hf_zero under Accelerate: ``HfZeroAccelerator(hf_zero_plugin=HfZeroPlugin(...))``.
 
 Accelerate has no registry for outside backends (``DistributedType`` is a closed enum and the
-launch yaml rejects unknown top-level keys; research/hf_integration.md section 4), so hf_zero
+launch yaml rejects unknown top-level keys), so hf_zero
 enters as an ``Accelerator`` subclass plus a plugin dataclass shaped like Accelerate's
 ``DeepSpeedPlugin``::
 

@@ -13,7 +13,7 @@ Three ways in, one set of overrides:
 Nothing here sets transformers' DeepSpeed weak reference, ``--deepspeed`` or
 ``ACCELERATE_USE_DEEPSPEED``: each routes into the deepspeed package. The Trainer runs its
 non-DeepSpeed code path with an :class:`HfZeroAccelerator` in place of ``Accelerator``
-(research/hf_integration.md, "Design implications").
+(docs/how-it-works.md, "The Trainer integration").
 
 [Note: when "auto" is resolved]
 transformers fills a DeepSpeed config in two passes and raises the mismatches only at train time.
@@ -109,7 +109,7 @@ _ARGUMENT_FIELDS = {
 def trainer_values(args: TrainingArguments, num_training_steps: int | None = None,
                    sequence_parallel_size: int = 1) -> dict[str, Any]:
     """The values transformers' ``HfTrainerDeepSpeedConfig`` fills "auto" with, key for key
-    (research/hf_integration.md section 1), as ``HfZeroConfig.resolve(...)`` arguments. The
+    (``HfTrainerDeepSpeedConfig.trainer_config_process``), as ``HfZeroConfig.resolve(...)`` arguments. The
     batch counts data-parallel ranks: with sequence parallelism, world / S
     ([Note: sequence-parallel layout])."""
     data_parallel = max(1, args.world_size // max(1, sequence_parallel_size))

@@ -8,7 +8,8 @@ them without extra passes over DRAM:
   gradient back into it; our ``grad`` is read-only and may be bf16/fp16;
 - they do not write a 16-bit compute copy.
 
-[Note: CPU chunking] When the gradient needs converting or scaling, or ``out`` is given, the
+[Note: CPU chunking]
+When the gradient needs converting or scaling, or ``out`` is given, the
 shard is processed in chunks of ``CPU_CHUNK_NUMEL``: the fp32 gradient chunk is built in a small
 scratch buffer, stepped, and the fresh master chunk is cast to ``out`` while both are still in
 cache. Measured on a 2-core EPYC with 16M parameters, bf16 grad with unscale, clip and a bf16
@@ -103,7 +104,8 @@ def fused_adam_cpu_(
             out_flat[start:stop].copy_(p)
 
 
-# [Note: landing 16-bit gradients on the host] torch's CPU add of a bf16/fp16 tensor into an
+# [Note: landing 16-bit gradients on the host]
+# torch's CPU add of a bf16/fp16 tensor into an
 # fp32 one (``shard.add_(bf16, alpha=a)``) takes the element-at-a-time path for mixed dtypes,
 # about 7x slower than the same add in fp32 (docs/benchmarks.md, "A 16-bit gradient landing on
 # the host"). So the reduced 16-bit part is converted a chunk at a time into a cache-sized fp32
@@ -147,7 +149,8 @@ def add_scaled_cpu_(dst: torch.Tensor, src: torch.Tensor, alpha: float, *, dst_i
             d[start:stop].add_(part, alpha=alpha)
 
 
-# [Note: accurate norms] torch's CPU norm accumulates a whole tensor in a handful of fp32 lanes:
+# [Note: accurate norms]
+# torch's CPU norm accumulates a whole tensor in a handful of fp32 lanes:
 # the running sum grows until each square added loses its low bits, so a flat shard of 1e8
 # gradients comes out 1-2% low. Each tensor is therefore reduced in rows of NORM_CHUNK_NUMEL
 # elements (fp32 within a row) and the row results are summed in fp64; the total is rounded once

@@ -1,6 +1,7 @@
 """Pick a backend per call and run it: Triton on CUDA, torch's fused CPU Adam, the reference.
 
-[Note: interpreter mode] Triton decides at ``@triton.jit`` decoration time whether a kernel is
+[Note: interpreter mode]
+Triton decides at ``@triton.jit`` decoration time whether a kernel is
 compiled or interpreted, from the ``TRITON_INTERPRET`` environment variable. This module imports
 the kernel modules once, when it is imported, and reads the variable at the same moment, so the
 dispatch and the kernels always agree: with ``TRITON_INTERPRET=1`` set before ``hf_zero.kernels``

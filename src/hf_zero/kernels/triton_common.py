@@ -28,7 +28,8 @@ INTERPRETER_PROGRAMS = 4
 def cast_rtne(x, DTYPE: tl.constexpr):
     """Cast fp32 ``x`` to ``DTYPE`` rounding to nearest even, bit-identical to torch's ``.to()``.
 
-    [Note: bf16 rounding] Triton 3.9's interpreter truncates fp32 -> bf16 while GPUs round to
+    [Note: bf16 rounding]
+    Triton 3.9's interpreter truncates fp32 -> bf16 while GPUs round to
     nearest even, so a plain ``.to(tl.bfloat16)`` would make the interpreter tests check a
     different rounding than the GPU runs. Rounding by hand on the bits gives the same result on
     both (and torch's: NaN becomes the canonical quiet NaN 0x7FC0). A few integer ops per
@@ -58,7 +59,8 @@ def grid_stride_programs(device: torch.device, max_blocks: int, interpret: bool,
     return max(1, min(max_blocks, budget // per_program))
 
 
-# [Note: aligned variant] Pointers read from a table carry no alignment the compiler can see, so
+# [Note: aligned variant]
+# Pointers read from a table carry no alignment the compiler can see, so
 # it emits 2- or 4-byte accesses. When the host has checked that every address is 16-byte aligned
 # and every length/offset is a multiple of ALIGN_NUMEL elements (the usual case for padded flat
 # shards), the kernels' ALIGNED variant states it with tl.multiple_of and gets 16-byte accesses.

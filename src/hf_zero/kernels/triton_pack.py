@@ -1,6 +1,7 @@
 """Reduce-scatter bucketing: pack units rank-major (scale + cast fused) and unpack after all-gather.
 
-[Note: rank-major bucket] A bucket holds several units, each padded to a multiple of the world
+[Note: rank-major bucket]
+A bucket holds several units, each padded to a multiple of the world
 size ws. Unit u (numel L_u, chunk c_u = L_u / ws) sits at column offset o_u = c_0 + ... + c_{u-1}
 of every rank's segment, and rank r's segment starts at r * C with C = sum of c_u:
 

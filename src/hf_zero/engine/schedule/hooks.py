@@ -503,6 +503,15 @@ class UnitProtocol:
         self.backward_open = False
         self.buffers.release_idle()  # the optimizer step follows
 
+    # [Note: releasing a unit in backward]
+    # A stage-3 unit's gathered parameters are freed in the backward as soon as nothing will read
+    # them again: the shared schedule has reached the unit (backward_visited) and every trainable
+    # parameter's gradient has arrived (pending_grads 0). Gradient hooks fire per parameter, so a
+    # unit with sharded frozen parameters (a LoRA base layer) could be freed after its last
+    # trainable gradient while autograd still needs a frozen weight for the gradient of the unit's
+    # inputs. Such a unit also hooks its forward inputs (register_multi_grad_hook, mode "all") and
+    # waits for their gradients (inputs_done); a unit whose inputs need no gradient has no such
+    # signal and is freed on its parameters' gradients alone.
     def _maybe_release(self, unit: ZeroUnit) -> None:
         """Free a stage-3 unit once its backward is done: [Note: releasing a unit in backward]."""
         if (self.policy.shards_params and unit.backward_visited and unit.pending_grads == 0
