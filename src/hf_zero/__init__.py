@@ -13,8 +13,7 @@ from typing import Any
 from hf_zero.config import HfZeroConfig, HfZeroConfigError
 from hf_zero.config.live import on_live_zero3_config
 from hf_zero.log import configure_library_logger
-
-__version__ = "0.1.0"
+from hf_zero.version import __version__
 
 
 def _install_sharded_loading() -> None:

@@ -656,7 +656,7 @@ _LAUNCH_HELP = ("accelerate launch with an hf_zero: section in --config_file (or
 
 def _version() -> str:
     # hf_zero/__init__.py imports no torch: [Note: the command imports torch late]
-    from hf_zero import __version__
+    from hf_zero.version import __version__
 
     return f"hf-zero {__version__} (python {sys.version.split()[0]})"
 

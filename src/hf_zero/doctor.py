@@ -97,7 +97,7 @@ def facts() -> tuple[list[str], str | None]:
     import torch
     import torch.distributed as dist
 
-    from hf_zero import __version__
+    from hf_zero.version import __version__
 
     cuda = torch.cuda.is_available()
     build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "CPU-only build"

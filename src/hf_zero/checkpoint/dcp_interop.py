@@ -588,7 +588,7 @@ def _buffer_entries(plan: ImportPlan) -> list[TensorEntry]:
 
 def _manifest(plan: ImportPlan, model: nn.Module, records: list[dict[str, Any]], optimizer_class: str, tag: str,
               save_id: str, global_steps: int) -> dict[str, Any]:
-    from hf_zero import __version__
+    from hf_zero.version import __version__
 
     buffers = [{"name": n, "dtype": str(plan.layout.model[n].dtype).removeprefix("torch."),
                 "shape": list(plan.layout.model[n].shape)} for n in plan.buffers]

@@ -661,7 +661,7 @@ def _model_record(ds: DeepSpeedCheckpoint, model: nn.Module | None) -> dict[str,
 
 def _manifest(ds: DeepSpeedCheckpoint, model: nn.Module | None, records: list[dict[str, Any]],
               optimizer_class: str, save_id: str) -> dict[str, Any]:
-    from hf_zero import __version__
+    from hf_zero.version import __version__
 
     return {
         "format": FORMAT, "format_version": FORMAT_VERSION, "tag": ds.folder.tag, "save_id": save_id,
