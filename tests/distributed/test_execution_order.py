@@ -81,14 +81,15 @@ def _train_with_wait_moved(sc: dict[str, Any], late: bool, mutation: str) -> lis
     can pass for thousands of steps. Under late completion each fails the same way every time,
     with the operation named."""
     from hf_zero.engine.sharding.grad_buffer import GradBuffer
-    from hf_zero.engine.schedule.unit import ParamState, ZeroUnit
+    from hf_zero.engine.schedule.unit import ZeroUnit
+    from hf_zero.engine.sharding.param_storage import StorageState
     from hf_zero.execution import checking
 
     if mutation == "read_prefetch":
         original_unshard = ZeroUnit.unshard
 
         def unshard_trusting_prefetch(self: ZeroUnit, async_op: bool = False) -> None:
-            if self.param_state is ParamState.GATHERING:
+            if self.param_state is StorageState.GATHERING:
                 return  # the mutation: no wait before the read
             original_unshard(self, async_op)
 

@@ -15,7 +15,7 @@ import hf_zero
 from hf_zero.config import HfZeroConfig
 from hf_zero.engine.sharding.flat_group import FlatParamGroup, GroupKind
 from hf_zero.engine.policy import BUCKETS_IN_FLIGHT, ShardingPolicy
-from hf_zero.engine.schedule.unit import ParamState
+from hf_zero.engine.sharding.param_storage import StorageState
 from hf_zero.comm import Communicator
 from tests.tiny_models import batch_for_step, tiny_gpt2
 
@@ -144,10 +144,10 @@ def test_reshard_after_forward_is_what_the_protocol_reads(no_launcher_env: None,
             ids = batch_for_step(step, 2)
             loss = engine(input_ids=ids, labels=ids).loss
             after_forward = {u.param_state for u in sharded}
-            assert after_forward == ({ParamState.SHARDED} if reshard else {ParamState.GATHERED})
+            assert after_forward == ({StorageState.SHARDED} if reshard else {StorageState.GATHERED})
             engine.backward(loss)
             engine.step()
-            assert {u.param_state for u in sharded} == {ParamState.SHARDED}  # freed before the step
+            assert {u.param_state for u in sharded} == {StorageState.SHARDED}  # freed before the step
             losses.append(loss.item())
         with engine.gathered_parameters():
             runs[reshard] = (losses, [p.detach().clone() for p in engine.module.parameters()])

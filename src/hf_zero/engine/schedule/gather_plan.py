@@ -16,7 +16,8 @@ of backward, and before every optimizer step (an update makes a gathered copy st
 from __future__ import annotations
 
 from hf_zero.engine.policy import ShardingPolicy
-from hf_zero.engine.schedule.unit import GatheredNumel, ParamState, ZeroUnit
+from hf_zero.engine.schedule.unit import GatheredNumel, ZeroUnit
+from hf_zero.engine.sharding.param_storage import StorageState
 
 
 class GatherPlan:
@@ -98,6 +99,6 @@ class GatherPlan:
             if (budget < 0 and not first) or live + upcoming.sharded_numel > self.max_live_numel:
                 break
             first = False
-            if upcoming.param_state is ParamState.SHARDED:
+            if upcoming.param_state is StorageState.SHARDED:
                 live += upcoming.sharded_numel
                 upcoming.unshard(async_op=True)

@@ -5,9 +5,10 @@ Each unit carries two explicit states, and every change of either goes through o
 checks the transition is allowed, so a protocol error fails loudly where it happens instead of
 surfacing later as a wrong storage size:
 
-- its parameters (:class:`ParamState`): SHARDED (only this rank's shards exist), GATHERING (an
-  all-gather is in flight), GATHERED (full parameters usable). A unit with nothing to shard
-  (stages 0-2, persistent or root-only groups) is GATHERED for good.
+- its parameters (:class:`StorageState`, the states its sharded groups' storages share):
+  SHARDED (only this rank's shards exist), GATHERING (an all-gather is in flight), GATHERED
+  (full parameters usable). A unit with nothing to shard (stages 0-2, persistent or root-only
+  groups) is GATHERED for good.
 - its gradients in the current backward (:class:`GradState`): IDLE (its backward has not
   started), ACCUMULATING (its output got a gradient: autograd is filling ``.grad``), READY (final
   for this backward: every trainable parameter got its gradient, or the shared schedule passed
@@ -26,15 +27,10 @@ from hf_zero.comm import Communicator
 from hf_zero.engine.sharding.buffer_pool import BufferPool
 from hf_zero.engine.sharding.flat_group import FlatParamGroup, GroupKind
 from hf_zero.engine.sharding.param_source import ParamSource
+from hf_zero.engine.sharding.param_storage import StorageState
 from hf_zero.engine.policy import ShardingPolicy
 from hf_zero.offload import OffloadSettings
 from hf_zero.partition import UnitSpec, is_persistent
-
-
-class ParamState(enum.Enum):
-    SHARDED = "sharded"
-    GATHERING = "gathering"
-    GATHERED = "gathered"
 
 
 class GradState(enum.Enum):
@@ -46,9 +42,9 @@ class GradState(enum.Enum):
 
 
 _PARAM_MOVES = {
-    ParamState.SHARDED: {ParamState.GATHERING, ParamState.GATHERED},
-    ParamState.GATHERING: {ParamState.GATHERED},
-    ParamState.GATHERED: {ParamState.SHARDED},
+    StorageState.SHARDED: {StorageState.GATHERING, StorageState.GATHERED},
+    StorageState.GATHERING: {StorageState.GATHERED},
+    StorageState.GATHERED: {StorageState.SHARDED},
 }
 _GRAD_MOVES = {
     GradState.IDLE: {GradState.ACCUMULATING, GradState.READY},
@@ -148,7 +144,7 @@ class ZeroUnit:
                                           and type(self.module).forward is nn.Embedding.forward)
         # Elements gathered and freed around use (stage 3, non-persistent); fixed by the layout.
         self.sharded_numel = sum(g.layout.padded_numel for g in self.groups if g.storage.sharded_between_uses)
-        self.param_state = ParamState.SHARDED if self.sharded_numel else ParamState.GATHERED
+        self.param_state = StorageState.SHARDED if self.sharded_numel else StorageState.GATHERED
         self.grad_state = GradState.IDLE
         self._gathered: GatheredNumel | None = None  # [Note: gathered elements, counted as they move]
         self.behind_cursor = False  # the current backward has passed this unit
@@ -178,48 +174,48 @@ class ZeroUnit:
         return frozenset(sizes)
 
     # ----------------------------------------------------------------- parameter state
-    def _move_params(self, new: ParamState) -> None:
+    def _move_params(self, new: StorageState) -> None:
         if new not in _PARAM_MOVES[self.param_state]:
             raise UnitStateError(f"unit {self.name}: parameters cannot go from {self.param_state.value} to {new.value}")
-        was_sharded = self.param_state is ParamState.SHARDED
+        was_sharded = self.param_state is StorageState.SHARDED
         self.param_state = new
-        if self._gathered is not None and self.sharded_numel and was_sharded != (new is ParamState.SHARDED):
+        if self._gathered is not None and self.sharded_numel and was_sharded != (new is StorageState.SHARDED):
             self._gathered.moved(self, gathered=was_sharded)
 
     @property
     def is_unsharded(self) -> bool:
         """Whether the sharded groups are gathered or being gathered."""
-        return bool(self.sharded_numel) and self.param_state is not ParamState.SHARDED
+        return bool(self.sharded_numel) and self.param_state is not StorageState.SHARDED
 
     def unshard(self, async_op: bool = False, exact: bool = False) -> None:
         """Start gathering (``async_op``) or gather; no collective is issued unless the unit is
         SHARDED, or, with ``exact`` (a full-precision gather, never async), unless a group holds
         values gathered in a lower dtype ([Note: lower-precision-safe modules])."""
-        if self.param_state is not ParamState.SHARDED:
+        if self.param_state is not StorageState.SHARDED:
             if not async_op:
                 self.wait_unshard()
             if exact:
                 for group in self.groups:
                     group.storage.make_exact()
             return
-        self._move_params(ParamState.GATHERING if async_op else ParamState.GATHERED)
+        self._move_params(StorageState.GATHERING if async_op else StorageState.GATHERED)
         for group in self.groups:
             group.storage.unshard(async_op=async_op, exact=exact)
 
     def wait_unshard(self) -> None:
-        if self.param_state is ParamState.GATHERING:
+        if self.param_state is StorageState.GATHERING:
             for group in self.groups:
                 group.storage.wait_unshard()
-            self._move_params(ParamState.GATHERED)
+            self._move_params(StorageState.GATHERED)
 
     def reshard(self) -> None:
         """Free the gathered parameters (a no-op for a unit with nothing sharded)."""
-        if not self.sharded_numel or self.param_state is ParamState.SHARDED:
+        if not self.sharded_numel or self.param_state is StorageState.SHARDED:
             return
         self.wait_unshard()
         for group in self.groups:
             group.storage.reshard()
-        self._move_params(ParamState.SHARDED)
+        self._move_params(StorageState.SHARDED)
 
     # ----------------------------------------------------------------- gradient state
     def move_grads(self, new: GradState) -> None:
