@@ -19,6 +19,8 @@ CPU_BACKENDS = {
     "pack_for_reduce_scatter": "reference",
     "unpack_after_all_gather": "reference",
     "nonfinite_and_sqnorm": "reference",
+    "quantize_int8_blocks": "reference",
+    "dequantize_int8_blocks": "reference",
 }
 
 

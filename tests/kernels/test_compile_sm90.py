@@ -91,3 +91,27 @@ def test_norm_compiles(aligned: bool) -> None:
     constexprs = {"DTYPE": tl.bfloat16, "ALIGNED": aligned, "BLOCK_SIZE": triton_norm.BLOCK_SIZE}
     ptx = _compile_ptx(triton_norm._nonfinite_sqnorm_kernel, signature, constexprs, ["table_ptr"])
     assert ("ld.global.v4.b32" in _accesses(ptx)) == aligned, _accesses(ptx)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("name", ["_quantize_kernel", "_dequantize_kernel"])
+def test_quantization_compiles_with_correct_rounding(name: str, dtype: str) -> None:
+    """[Note: blockwise int8]: the scale and the inverse are correctly rounded divisions, so the
+    GPU gives the reference's codes; no fused multiply-add."""
+    import triton.language as tl
+
+    from hf_zero.kernels import triton_quant
+
+    strides = {"numel": "i32"}
+    if name == "_quantize_kernel":
+        signature = {"values_ptr": f"*{dtype}", "codes_ptr": "*i8", "scales_ptr": "*fp32", **strides,
+                     "values_row_stride": "i64", "codes_row_stride": "i64", "scales_row_stride": "i64"}
+        constexprs: dict[str, object] = {"BLOCK": 512}
+    else:
+        signature = {"codes_ptr": "*i8", "scales_ptr": "*fp32", "out_ptr": f"*{dtype}", **strides,
+                     "codes_row_stride": "i64", "scales_row_stride": "i64", "out_row_stride": "i64"}
+        constexprs = {"OUT_DTYPE": {"fp32": tl.float32, "bf16": tl.bfloat16, "fp16": tl.float16}[dtype], "BLOCK": 512}
+    ptx = _compile_ptx(getattr(triton_quant, name), signature, constexprs, [])
+    assert "fma" not in ptx, "contraction would change the rounding"
+    if name == "_quantize_kernel":
+        assert ptx.count("div.rn.f32") >= 2 and "div.full" not in ptx and "div.approx" not in ptx

@@ -71,6 +71,20 @@ def test_norm_on_gpu_matches_reference() -> None:
     assert kernels.nonfinite_and_sqnorm(tensors)[0].item() is True
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=["fp32", "bf16"])
+def test_int8_blocks_on_gpu_match_reference_bit_for_bit(dtype: torch.dtype) -> None:
+    values = torch.randn(4, (1 << 20) + 37, device="cuda").to(dtype)
+    codes, expected_codes = (torch.empty(values.shape, dtype=torch.int8, device="cuda") for _ in range(2))
+    scales, expected_scales = (torch.empty(4, (values.shape[1] + 511) // 512, device="cuda") for _ in range(2))
+    kernels.quantize_int8_blocks(values, codes, scales, 512)
+    reference.quantize_int8_blocks(values, expected_codes, expected_scales, 512)
+    assert torch.equal(codes, expected_codes) and torch.equal(scales, expected_scales)
+    out, expected = (torch.empty(values.shape, dtype=dtype, device="cuda") for _ in range(2))
+    kernels.dequantize_int8_blocks(codes, scales, out, 512)
+    reference.dequantize_int8_blocks(codes, scales, expected, 512)
+    assert torch.equal(out, expected)
+
+
 # Past 2**31 elements an int32 offset wraps: the elements after it would be read and written at
 # the wrong place (or fault). Checked on windows at the start, across 2**31 and at the end, each
 # against the reference run on a copy of the same window taken before the step.

@@ -16,7 +16,7 @@ import pytest
 from hf_zero.kernels import dispatch
 
 HERE = Path(__file__).parent
-FILES = ["test_fused_adam.py", "test_pack.py", "test_norm.py", "test_backends.py"]
+FILES = ["test_fused_adam.py", "test_pack.py", "test_norm.py", "test_quant.py", "test_backends.py"]
 
 
 @pytest.mark.skipif(dispatch.INTERPRET, reason="this process already runs the interpreter")

@@ -28,6 +28,7 @@ from hf_zero.kernels import cpu
 from hf_zero.kernels import reference
 from hf_zero.kernels.validate import check_adam_hparams
 from hf_zero.kernels.validate import check_adam_tensors
+from hf_zero.kernels.validate import check_blockwise
 from hf_zero.kernels.validate import check_bucket
 from hf_zero.kernels.validate import check_norm_tensors
 from hf_zero.kernels.validate import check_step_factors
@@ -35,7 +36,8 @@ from hf_zero.kernels.validate import check_step_factors
 logger = logging.getLogger("hf_zero")
 
 BACKENDS = ("triton", "triton-interpret", "torch-fused-cpu", "reference")
-OPS = ("fused_adam_", "pack_for_reduce_scatter", "unpack_after_all_gather", "nonfinite_and_sqnorm")
+OPS = ("fused_adam_", "pack_for_reduce_scatter", "unpack_after_all_gather", "nonfinite_and_sqnorm",
+       "quantize_int8_blocks", "dequantize_int8_blocks")
 
 
 def _env_flag(name: str) -> bool:
@@ -54,8 +56,9 @@ def _import_triton() -> tuple[dict[str, ModuleType], BaseException | None]:
     from hf_zero.kernels import triton_adam
     from hf_zero.kernels import triton_norm
     from hf_zero.kernels import triton_pack
+    from hf_zero.kernels import triton_quant
 
-    return {"adam": triton_adam, "pack": triton_pack, "norm": triton_norm}, None
+    return {"adam": triton_adam, "pack": triton_pack, "norm": triton_norm, "quant": triton_quant}, None
 
 
 INTERPRET = _env_flag("TRITON_INTERPRET")
@@ -178,6 +181,29 @@ def nonfinite_and_sqnorm(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor,
             return cpu.nonfinite_and_sqnorm_cpu(tensors)
         return reference.nonfinite_and_sqnorm(tensors)
     return _TRITON["norm"].nonfinite_and_sqnorm_triton(tensors, interpret=INTERPRET)
+
+
+@torch.no_grad()
+def quantize_int8_blocks(values: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block: int) -> None:
+    """Rows of ``values`` to int8 codes and one fp32 scale per block; see
+    ``reference.quantize_int8_blocks`` ([Note: blockwise int8])."""
+    check_blockwise("values", values, codes, scales, block)
+    _check_device(values, "quantize_int8_blocks")
+    if backend_for(values, "quantize_int8_blocks") == "reference":
+        reference.quantize_int8_blocks(values, codes, scales, block)
+    else:
+        _TRITON["quant"].quantize_int8_blocks_triton(values, codes, scales, block)
+
+
+@torch.no_grad()
+def dequantize_int8_blocks(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, block: int) -> None:
+    """Codes times their block's scale into ``out``; see ``reference.dequantize_int8_blocks``."""
+    check_blockwise("out", out, codes, scales, block)
+    _check_device(out, "dequantize_int8_blocks")
+    if backend_for(out, "dequantize_int8_blocks") == "reference":
+        reference.dequantize_int8_blocks(codes, scales, out, block)
+    else:
+        _TRITON["quant"].dequantize_int8_blocks_triton(codes, scales, out, block)
 
 
 def add_scaled_(dst: torch.Tensor, src: torch.Tensor, alpha: float = 1.0, *, dst_is_zero: bool = False) -> None:

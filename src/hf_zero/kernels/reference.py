@@ -15,6 +15,7 @@ import torch
 
 from hf_zero.kernels.validate import check_adam_hparams
 from hf_zero.kernels.validate import check_adam_tensors
+from hf_zero.kernels.validate import check_blockwise
 from hf_zero.kernels.validate import check_bucket
 from hf_zero.kernels.validate import check_norm_tensors
 from hf_zero.kernels.validate import check_step_factors
@@ -167,3 +168,45 @@ def nonfinite_and_sqnorm(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor,
         for piece in tensor.reshape(-1).split(NORM_SLICE_NUMEL):
             sqnorm += torch.linalg.vector_norm(piece, dtype=torch.float64).square()
     return found, sqnorm.float()
+
+
+# [Note: blockwise int8]
+# ZeRO++'s quantized weight gathers (qwZ) send each shard as int8 codes with one fp32 scale per
+# block of ``block`` consecutive elements of a row: scale = absmax / 127, code = round(x * 127 /
+# absmax) (halves rounded up: floor(y + 0.5); an all-zero block has scale 0 and codes 0), value
+# = code * scale rounded once to the output dtype. Every element is off by at most half
+# a step, absmax / 254, of its own block. Each operation is one correctly rounded fp32 operation,
+# so the Triton kernels (correctly rounded division, no contraction) give these bits exactly.
+# Non-finite inputs are not specified: the weights a gather sends are finite.
+
+
+@torch.no_grad()
+def quantize_int8_blocks(values: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block: int) -> None:
+    """Rows of ``values`` [rows, n] to int8 ``codes`` [rows, n] and fp32 ``scales``
+    [rows, ceil(n / block)] ([Note: blockwise int8])."""
+    check_blockwise("values", values, codes, scales, block)
+    rows, numel = values.shape
+    if not numel:
+        return
+    blocks = scales.shape[1]
+    padded = torch.zeros(rows, blocks * block, dtype=torch.float32, device=values.device)
+    padded[:, :numel] = values
+    padded = padded.view(rows, blocks, block)
+    absmax = padded.abs().amax(dim=2)
+    scales.copy_(absmax / 127.0)
+    # A tensor numerator: ``127.0 / absmax`` is reciprocal-then-multiply in torch, two roundings.
+    inverse = torch.where(absmax > 0, torch.full_like(absmax, 127.0) / absmax, torch.zeros_like(absmax))
+    rounded = torch.floor(padded * inverse.unsqueeze(2) + 0.5).clamp_(-127, 127)
+    codes.copy_(rounded.view(rows, -1)[:, :numel].to(torch.int8))
+
+
+@torch.no_grad()
+def dequantize_int8_blocks(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, block: int) -> None:
+    """Inverse of :func:`quantize_int8_blocks`: ``out`` [rows, n] = codes x their block's scale,
+    rounded once to ``out.dtype``."""
+    check_blockwise("out", out, codes, scales, block)
+    rows, numel = out.shape
+    if not numel:
+        return
+    widened = scales.repeat_interleave(block, dim=1)[:, :numel]
+    out.copy_(codes.to(torch.float32) * widened)

@@ -124,3 +124,30 @@ def check_norm_tensors(tensors: Sequence[torch.Tensor]) -> None:
             raise ValueError(f"tensors[{index}] is on {tensor.device}, expected {device} like tensors[0]")
         if not tensor.is_contiguous():
             raise ValueError(f"tensors[{index}] must be contiguous; pass .contiguous()")
+
+
+QUANT_VALUE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_blockwise(values_name: str, values: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                    block: int) -> None:
+    """Int8 block quantization ([Note: blockwise int8] in reference): ``values`` and ``codes``
+    are [rows, n] (row-strided, unit stride inside a row), ``scales`` [rows, ceil(n / block)]
+    fp32, all on one device."""
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1 or block & (block - 1):
+        raise ValueError(f"block must be a power of two >= 1, found {block!r}")
+    _check_dtype(values_name, values, QUANT_VALUE_DTYPES)
+    _check_dtype("codes", codes, (torch.int8,))
+    _check_dtype("scales", scales, (STATE_DTYPE,))
+    for name, tensor in ((values_name, values), ("codes", codes), ("scales", scales)):
+        if tensor.dim() != 2 or (tensor.numel() and tensor.stride(1) != 1):
+            raise ValueError(f"{name} must be 2-D [rows, n] with unit stride inside a row, found shape "
+                             f"{tuple(tensor.shape)} strides {tensor.stride()}")
+        if tensor.device != values.device:
+            raise ValueError(f"{name} is on {tensor.device}, expected {values.device} (the device of {values_name})")
+    rows, numel = values.shape
+    if codes.shape != values.shape:
+        raise ValueError(f"codes has shape {tuple(codes.shape)}, expected {tuple(values.shape)} (that of {values_name})")
+    expected = (rows, math.ceil(numel / block))
+    if tuple(scales.shape) != expected:
+        raise ValueError(f"scales has shape {tuple(scales.shape)}, expected {expected}: one per block of {block}")
