@@ -268,9 +268,10 @@ def _estimate(args: argparse.Namespace, rest: list[str]) -> int:
     from hf_zero.estimator import WorkingSettings, describe, estimate_model_states, format_table, meta_model
 
     world = args.gpus_per_node * args.nodes
-    if args.simulate_rank is not None and not args.simulate:
-        print("hf-zero estimate: --simulate-rank needs --simulate", file=sys.stderr)
-        return 2
+    for flag, given in (("--simulate-rank", args.simulate_rank is not None), ("--quantized-weights", args.quantized_weights)):
+        if given and not args.simulate:
+            print(f"hf-zero estimate: {flag} needs --simulate", file=sys.stderr)
+            return 2
     if args.simulate_rank is not None and not 0 <= args.simulate_rank < world:
         print(f"hf-zero estimate: --simulate-rank {args.simulate_rank}: expected a rank from 0 to {world - 1} "
               f"(world {args.gpus_per_node} x {args.nodes} = {world}); leave it out for the last rank", file=sys.stderr)
@@ -389,7 +390,7 @@ def _simulate(args: argparse.Namespace, model: Any, row: Any) -> int:
             "reduce_bucket_size": args.reduce_bucket_size, "max_reuse_distance": args.max_reuse_distance,
             "max_live_parameters": args.max_live_parameters, "prefetch_bucket_size": args.prefetch_bucket_size,
             "seq": 16 if args.seq is None else args.seq, "micro_batch": args.micro_batch, "shard_group_size": args.shard_group_size,
-            "gradient_checkpointing": args.gradient_checkpointing}
+            "gradient_checkpointing": args.gradient_checkpointing, "quantized_weights": args.quantized_weights}
     try:
         result = simulate.run_rank_subprocess(spec, lambda line: print(f"  {line} ...", flush=True))
     except RuntimeError as error:
@@ -500,6 +501,8 @@ def _add_export_and_estimate(sub: argparse._SubParsersAction) -> None:
     estimate.add_argument("--shard-group-size", type=int, default=None,
                           help="mics_shard_size (hybrid sharding): shard the states over groups of this many ranks, "
                           "usually --gpus-per-node, and replicate across them (default: shard over all ranks)")
+    estimate.add_argument("--quantized-weights", action="store_true",
+                          help="with --simulate: zero_quantized_weights (ZeRO++ qwZ), the stage-3 gathers in int8 blocks")
     estimate.add_argument("--simulate", action="store_true",
                           help="also measure one rank of this world: build the model under a live stage-3 config, "
                           "initialize and run one forward+backward+step on this CPU with torch's fake process group "

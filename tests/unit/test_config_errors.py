@@ -170,7 +170,6 @@ def test_partial_optimizer_offload_needs_device_cpu(device: str) -> None:
     ("config", "path"),
     [
         ({"zero_optimization": {"stage": 2, "cpu_offload": True}}, "zero_optimization.cpu_offload"),
-        ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "zero_optimization.zero_quantized_weights"),
         ({"zero_optimization": {"stage": 3, "zero_quantized_nontrainable_weights": True}}, "zero_optimization.zero_quantized_nontrainable_weights"),
         ({"zero_optimization": {"stage": 3, "zero_quantized_gradients": True}}, "zero_optimization.zero_quantized_gradients"),
         ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}}, "zero_optimization.zero_hpz_partition_size"),
@@ -307,7 +306,7 @@ def test_every_problem_is_listed_in_one_error() -> None:
             "stage": 3,
             "overlap_com": True,  # nested typo
             "reduce_bucket_size": -5,  # out of range
-            "zero_quantized_weights": True,  # not implemented
+            "zero_quantized_gradients": True,  # not implemented
             "offload_param": {"device": "nvme"},  # missing nvme_path
         },
         "fp16": {"enabled": True},
@@ -322,7 +321,7 @@ def test_every_problem_is_listed_in_one_error() -> None:
         "gradient_clipping",
         "zero_optimization.overlap_com",
         "zero_optimization.reduce_bucket_size",
-        "zero_optimization.zero_quantized_weights",
+        "zero_optimization.zero_quantized_gradients",
         "optimizer.params.max_grad_norm",
         "bf16.enabled",
         "zero_optimization.offload_param.nvme_path",
@@ -364,3 +363,14 @@ def test_shard_group_size_contradictions(zero: dict[str, Any], rule_part: str) -
 @pytest.mark.parametrize("size", [-1, 0, 2, 8])
 def test_shard_group_size_off_or_a_group_is_accepted(size: int) -> None:
     assert HfZeroConfig({"zero_optimization": {"stage": 3, "mics_shard_size": size}}).zero.mics_shard_size == size
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_quantized_weights_below_stage_3_say_there_is_nothing_to_gather(stage: int) -> None:
+    (problem,) = _problems({"zero_optimization": {"stage": stage, "zero_quantized_weights": True}})
+    assert problem.path == "zero_optimization.zero_quantized_weights"
+    assert f"stage {stage} keeps every parameter gathered" in problem.rule and "stage to 3" in problem.fix
+
+
+def test_quantized_weights_at_stage_3_are_accepted() -> None:
+    assert HfZeroConfig({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}).zero.zero_quantized_weights

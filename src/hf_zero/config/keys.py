@@ -401,7 +401,7 @@ _SPECS: list[KeySpec] = [
     KeySpec("zero_optimization.legacy_stage1", Bool(), False, "DeepSpeed's old stage-1 implementation.", NO_EFFECT, "an implementation choice; the math is unchanged"),
     KeySpec("zero_optimization.round_robin_gradients", Bool(), False, "Interleave gradient partitions to parallelise offload copies.", NO_EFFECT, "a speed hint for offload copies; the math is unchanged"),
     KeySpec("zero_optimization.zero_hpz_partition_size", Int(), 1, "ZeRO++ hpZ secondary partition size.", NOT_IMPLEMENTED, _NI_ZEROPP, check=at_least(0), off=_at_most_one, when_on="> 1"),
-    KeySpec("zero_optimization.zero_quantized_weights", Bool(), False, "ZeRO++ qwZ: quantized weight all-gather.", NOT_IMPLEMENTED, _NI_ZEROPP, when_on="true"),
+    KeySpec("zero_optimization.zero_quantized_weights", Bool(), False, "ZeRO++ qwZ: stage-3 parameter gathers send int8 blocks with an fp32 scale per 512 elements; shards, masters and checkpoints stay exact (stage 3).", IMPLEMENTED, "quantized weight gathers"),
     KeySpec("zero_optimization.zero_quantized_nontrainable_weights", Bool(), False, "ZeRO++ MixZ++: frozen weights stored quantized.", NOT_IMPLEMENTED, _NI_ZEROPP, when_on="true"),
     KeySpec("zero_optimization.zero_quantized_gradients", Bool(), False, "ZeRO++ qgZ: quantized gradient reduction.", NOT_IMPLEMENTED, _NI_ZEROPP, when_on="true"),
     KeySpec("zero_optimization.zeropp_loco_param", Opaque(), None, "LoCo-ZeRO++ error feedback parameters.", NOT_IMPLEMENTED, _NI_ZEROPP, nullable=True, off=lambda v: v is None, when_on="present"),

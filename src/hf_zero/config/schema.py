@@ -196,7 +196,7 @@ class ZeroConfig(_Typed):
     zero_hpz_partition_size: int
     """ZeRO++ hpZ partition size; must stay 1 (not implemented). Default 1."""
     zero_quantized_weights: bool
-    """ZeRO++ qwZ; must stay False (not implemented). Default False."""
+    """ZeRO++ qwZ: stage-3 gathers send int8 blocks (stage 3 only). Default False."""
     zero_quantized_nontrainable_weights: bool
     """ZeRO++ MixZ++; must stay False (not implemented). Default False."""
     zero_quantized_gradients: bool

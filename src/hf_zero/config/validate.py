@@ -344,6 +344,10 @@ def _check_shard_groups(root: dict[str, Any], problems: ProblemList) -> None:
         problems.add("zero_optimization.mics_shard_size", size,
                      "hybrid sharding needs ZeRO stage 1, 2 or 3 (stage is 0, which shards nothing)",
                      "set zero_optimization.stage to 1, 2 or 3, or remove mics_shard_size")
+    if zero.get("zero_quantized_weights") is True and stage is not None and stage != 3:
+        problems.add("zero_optimization.zero_quantized_weights", True,
+                     f"ZeRO++ qwZ quantizes stage 3's parameter gathers; stage {stage} keeps every parameter "
+                     "gathered and gathers none", "set zero_optimization.stage to 3, or remove zero_quantized_weights")
 
 
 def _check_offload_section(name: str, section: dict[str, Any], stage: int | None, problems: ProblemList) -> None:

@@ -69,6 +69,9 @@ class ShardingPolicy:
     prefetch_numel: int = 0
     # ``stage3_max_reuse_distance``: [Note: reuse distance] in gather_plan.py. 0: never kept.
     max_reuse_numel: int = 0
+    # ``zero_quantized_weights`` (ZeRO++ qwZ): gathers send int8 blocks, [Note: quantized weight
+    # gathers] in hf_zero.engine.sharding.gather_wire. Only with ``shards_params``.
+    quantized_weight_gathers: bool = False
 
     def __post_init__(self) -> None:
         if self.shards_gradients and not self.shards_optimizer_state:
@@ -79,6 +82,8 @@ class ShardingPolicy:
             raise ValueError("reshard_after_forward needs shards_params: nothing else is gathered")
         if not self.shards_params and (self.persistence_threshold or self.prefetch_numel or self.max_reuse_numel):
             raise ValueError("persistence_threshold, prefetch_numel and max_reuse_numel need shards_params")
+        if self.quantized_weight_gathers and not self.shards_params:
+            raise ValueError("quantized_weight_gathers needs shards_params: only stage 3 gathers parameters")
         if self.reductions_in_flight < 0:
             raise ValueError("reductions_in_flight must be at least 0")
 
@@ -91,6 +96,7 @@ class ShardingPolicy:
         persistence_threshold: int = 0,
         prefetch_numel: int = 0,
         max_reuse_numel: int = 0,
+        quantized_weight_gathers: bool = False,
     ) -> ShardingPolicy:
         """The preset a DeepSpeed ZeRO ``stage`` names. ``overlap_comm`` matters at stage 2 only
         (the other stages always keep ``BUCKETS_IN_FLIGHT`` reductions in flight); the stage-3
@@ -107,6 +113,7 @@ class ShardingPolicy:
             persistence_threshold=int(persistence_threshold) if stage3 else 0,
             prefetch_numel=int(prefetch_numel) if stage3 else 0,
             max_reuse_numel=int(max_reuse_numel) if stage3 else 0,
+            quantized_weight_gathers=bool(quantized_weight_gathers) and stage3,
         )
 
     @property
@@ -129,4 +136,5 @@ class ShardingPolicy:
             persistence_threshold=int(zero.stage3_param_persistence_threshold),
             prefetch_numel=int(zero.stage3_prefetch_bucket_size),
             max_reuse_numel=int(zero.stage3_max_reuse_distance),
+            quantized_weight_gathers=bool(zero.zero_quantized_weights),
         )

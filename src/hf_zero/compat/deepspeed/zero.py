@@ -52,7 +52,9 @@ class Init:
             if value is not None:
                 raise NotImplementedError(f"zero.Init({name}=...): {_REFUSED_INIT_ARGUMENTS[name]}")
         if zero_quantized_weights or zero_quantized_nontrainable_weights:
-            raise NotImplementedError("zero.Init with quantized weights (ZeRO++ qwZ) is not supported yet")
+            raise NotImplementedError("zero.Init(zero_quantized_weights=...): hf_zero quantizes the gathers, not the "
+                                      "stored weights; set zero_optimization.zero_quantized_weights: true in the "
+                                      "config instead (MixZ++'s quantized frozen weights are not supported yet)")
         source = config_dict_or_path if config_dict_or_path is not None else config
         self._previous: Any = live_zero3_config()
         # Without a config DeepSpeed partitions with its defaults: stage 3 here too.

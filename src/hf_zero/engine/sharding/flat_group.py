@@ -15,6 +15,7 @@ from torch import nn
 
 from hf_zero.comm import Communicator
 from hf_zero.engine.sharding.buffer_pool import BufferPool
+from hf_zero.engine.sharding.gather_wire import CastWire, GatherWire, Int8BlockWire
 from hf_zero.engine.sharding.grad_buffer import GradBuffer
 from hf_zero.engine.sharding.master_state import MasterState
 from hf_zero.engine.sharding.param_source import ParamSource
@@ -86,7 +87,8 @@ class FlatParamGroup:
         # group are one user ([Note: the buffer pool]).
         self.storage = ParamStorage(label, self.params, self.layout, self.shard_range, comm, sharded_between_uses,
                                     compute_dtype, device, source, buffers, pool_user=self,
-                                    lend_shard=not offload.optimizer_on_host, gather_dtype=kind.wire_dtype)
+                                    lend_shard=not offload.optimizer_on_host,
+                                    wire=self._gather_wire(compute_dtype))
         leaves_device = offload.params_on_host and sharded_between_uses
         self.master_state = MasterState(label, self.storage.shard if kind.trainable else None, compute_dtype,
                                         offload, separate=leaves_device)
@@ -98,6 +100,15 @@ class FlatParamGroup:
         self.segments = shard_segments(self.layout, self.shard_range)
         # The shard leaves the device after the master is made from it.
         self.storage.leave_device(offload)
+
+    def _gather_wire(self, compute_dtype: torch.dtype) -> GatherWire | None:
+        """What a stage-3 gather of this group sends, where it is not the compute-dtype shard."""
+        if self.policy.quantized_weight_gathers and compute_dtype.is_floating_point:
+            lo, hi = self.shard_range
+            return Int8BlockWire(hi - lo)
+        if self.kind.wire_dtype is not None and self.kind.wire_dtype != compute_dtype:
+            return CastWire(self.kind.wire_dtype)
+        return None
 
     @property
     def shard_range(self) -> tuple[int, int]:

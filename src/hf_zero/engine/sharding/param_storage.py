@@ -35,6 +35,7 @@ from torch import nn
 
 from hf_zero.comm import Communicator, Handle
 from hf_zero.engine.sharding.buffer_pool import BufferPool
+from hf_zero.engine.sharding.gather_wire import GatherWire
 from hf_zero.engine.sharding.param_source import ParamSource
 from hf_zero.engine.sharding.sharded_param import mark_gathered, mark_sharded
 from hf_zero.host_memory import CAN_SWAP_STORAGE, lasting_zeros
@@ -75,12 +76,13 @@ class ParamStorage:
         buffers: BufferPool,
         pool_user: object,
         lend_shard: bool = False,
-        gather_dtype: torch.dtype | None = None,
+        wire: GatherWire | None = None,
     ) -> None:
         """``lend_shard``: lend the compute shard to the full buffer while gathered ([Note: the
-        shard lent to the gathered buffer]), where the store allows it. ``gather_dtype``: the
-        dtype a gather sends, where it is not the compute dtype ([Note: lower-precision-safe
-        modules] in hf_zero.engine.lower_precision); such a shard is never lent."""
+        shard lent to the gathered buffer]), where the store allows it. ``wire``: what a gather
+        sends in place of the compute-dtype shard (hf_zero.engine.sharding.gather_wire: a
+        narrower dtype, [Note: lower-precision-safe modules], or int8 blocks, [Note: quantized
+        weight gathers]); such a shard is never lent."""
         self.label = label
         self.params = params
         self.layout = layout
@@ -94,10 +96,10 @@ class ParamStorage:
         self._pending_gather: Handle | None = None
         self.state = StorageState.GATHERED
         self.shard_range = shard_range
-        self.gather_dtype = gather_dtype if gather_dtype != compute_dtype else None
-        self._lend_shard = lend_shard and sharded_between_uses and self.gather_dtype is None
-        self._received: torch.Tensor | None = None  # a gather's lower-dtype result, until it is widened
-        self.rounded = False  # the full buffer holds values gathered in gather_dtype
+        self.wire = wire if sharded_between_uses else None
+        self._lend_shard = lend_shard and sharded_between_uses and self.wire is None
+        self._received: torch.Tensor | None = None  # a gather's wire payloads, until they are decoded
+        self.rounded = False  # the full buffer holds values that came over the wire rounded
         lo, hi = shard_range
         lazy = source is not None and any(p.is_meta for p in params)
         if lazy and sharded_between_uses:
@@ -222,7 +224,7 @@ class ParamStorage:
 
     def unshard(self, async_op: bool = False, exact: bool = False) -> None:
         """Gather the full parameters (stage 3). Idempotent; ``wait_unshard`` finishes an
-        asynchronous gather. ``exact``: in the compute dtype, whatever ``gather_dtype`` says."""
+        asynchronous gather. ``exact``: in the compute dtype, whatever ``wire`` says."""
         if self.sharded_between_uses and self.state is StorageState.SHARDED:
             self.start_gather(async_op, exact)
             if not async_op:
@@ -245,12 +247,12 @@ class ParamStorage:
             raise RuntimeError(f"{self.label}: its storage is {self.state.value} but the full buffer already "
                                "has memory; only ParamStorage.free() may take it away")
         shard, copied = self.store.gather_input(self.full.device, reclaim=self.wait_unshard)
-        if self.gather_dtype is not None and not exact:
-            # [Note: lower-precision-safe modules]: the shard goes out in gather_dtype, and
-            # finish_gather widens what arrives into the full buffer.
+        if self.wire is not None and not exact:
+            # The shard goes out encoded, and finish_gather decodes what arrives into the full
+            # buffer ([Note: lower-precision-safe modules], [Note: quantized weight gathers]).
             copied.wait()
-            send = shard.to(self.gather_dtype)
-            self._received = torch.empty(self.full.numel(), dtype=self.gather_dtype, device=self.full.device)
+            send = self.wire.encode(shard)
+            self._received = self.wire.receive_buffer(self.full)
             self.state = StorageState.GATHERING
             self.rounded = True
             self._pending_gather = self.comm.all_gather_into(self._received, send, label=self.label,
@@ -275,7 +277,7 @@ class ParamStorage:
             self._pending_gather.wait()
         self._pending_gather = None
         if self._received is not None:
-            self.full.copy_(self._received)
+            self.wire.decode(self._received, self.full)  # type: ignore[union-attr]
             self._received = None
         self.state = StorageState.GATHERED
         self.store.gather_done()
@@ -287,7 +289,7 @@ class ParamStorage:
         mark_gathered(self.params)
 
     def make_exact(self) -> None:
-        """A gathered buffer that holds ``gather_dtype`` values gets every rank's exact values
+        """A gathered buffer that holds values rounded on the wire gets every rank's exact values
         (one all-gather in the compute dtype); otherwise nothing happens."""
         if not self.rounded or self.state is not StorageState.GATHERED:
             return
