@@ -428,5 +428,10 @@ def test_compiled_units_under_sequence_parallelism_train_as_eager() -> None:
     for result in run_distributed(_compiled_worker, 2):
         compiled, eager = result["compiled"], result["eager"]
         assert compiled["compiled"] and not eager["compiled"]
-        assert compiled["losses"] == eager["losses"], (compiled, eager)
+        # Inductor fuses and reorders float sums, so the two agree to rounding, not bitwise (one
+        # CI run differed by 5e-7 at step 3). Signal: the loss falls ~0.16 per step; a compiled
+        # forward without the all-to-alls or a skipped update is off by more than 1e-2.
+        gaps = [abs(a - b) for a, b in zip(compiled["losses"], eager["losses"], strict=True)]
+        assert max(gaps) <= 1e-5, (compiled, eager)
+        assert eager["losses"][0] - eager["losses"][-1] > 0.1
         assert compiled["all_to_all"] == eager["all_to_all"] > 0

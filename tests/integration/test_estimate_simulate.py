@@ -141,3 +141,29 @@ def test_the_peak_with_activations_is_the_simulated_peak(tmp_path):
     measured, formula, ratio = _row(out, "peak")
     assert cells["peak/rank"] in next(line for line in out.splitlines() if re.match(r"peak\s+\|", line))
     assert abs(formula - measured) <= WORKING_RTOL * measured, (measured, formula)
+
+
+def _step_traffic(out: str) -> float:
+    """The simulated step's bytes in the shard group, from the 'communication of the step' line."""
+    line = next(line for line in out.splitlines() if line.startswith("communication of the step"))
+    value, unit = re.search(r"step: ([\d.]+) (B|KiB|MiB|GiB|TiB)", line).groups()
+    return float(value) * 1024 ** ["B", "KiB", "MiB", "GiB", "TiB"].index(unit)
+
+
+def test_quantized_weights_are_simulated_with_the_smaller_gathers(model_dir):
+    """``--quantized-weights`` (ZeRO++ qwZ) on 8 x 8, bf16: the two gathers of each unit send int8
+    blocks (1 + 4/512 bytes a parameter instead of 2), the fp32 reduce-scatter (4 bytes) is
+    unchanged, so the step moves (2 x 1.008 + 4) / (2 x 2 + 4) = 0.752 of the plain step's bytes;
+    without --simulate the flag is a one-line error."""
+    runs = {}
+    for flags in ([], ["--quantized-weights"]):
+        done = subprocess.run([*_hf_zero(), "estimate", "--model", model_dir, "--gpus-per-node", "8", "--nodes", "8",
+                               "--stages", "3", "--dtype", "bf16", "--simulate", *flags],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout + done.stderr
+        runs[bool(flags)] = _step_traffic(done.stdout)
+    ratio = runs[True] / runs[False]
+    assert 0.74 < ratio < 0.76, (runs, ratio)
+    alone = subprocess.run([*_hf_zero(), "estimate", "--model", model_dir, "--quantized-weights"],
+                           capture_output=True, text=True, timeout=120)
+    assert alone.returncode == 2 and "--quantized-weights needs --simulate" in alone.stderr
