@@ -281,6 +281,11 @@ def _estimate(args: argparse.Namespace, rest: list[str]) -> int:
     except (OSError, ValueError) as error:
         print(f"hf-zero estimate: cannot build a model from {args.model!r}: {error}", file=sys.stderr)
         return 1
+    if args.hpz_partition_size > 1 and (args.shard_group_size is not None or world % args.hpz_partition_size):
+        print(f"hf-zero estimate: --hpz-partition-size {args.hpz_partition_size}: expected a divisor of the world size "
+              f"{world} (usually --gpus-per-node), without --shard-group-size (hpZ and hybrid sharding are "
+              "alternatives: the README's multi-node section compares them)", file=sys.stderr)
+        return 2
     if args.shard_group_size is not None and (args.shard_group_size < 2 or world % args.shard_group_size):
         print(f"hf-zero estimate: --shard-group-size {args.shard_group_size}: expected a divisor of the world size "
               f"{world} of at least 2 (usually --gpus-per-node)", file=sys.stderr)
@@ -296,7 +301,7 @@ def _estimate(args: argparse.Namespace, rest: list[str]) -> int:
             persistence_threshold=args.persistence_threshold,
             working=WorkingSettings(args.reduce_bucket_size, args.max_reuse_distance, args.max_live_parameters,
                                     args.prefetch_bucket_size), shard_group_size=args.shard_group_size,
-            activations=None if found is None else found.by_unit,
+            activations=None if found is None else found.by_unit, secondary_partition_size=args.hpz_partition_size,
         )
 
     estimates = states(args.stages)
@@ -390,7 +395,8 @@ def _simulate(args: argparse.Namespace, model: Any, row: Any) -> int:
             "reduce_bucket_size": args.reduce_bucket_size, "max_reuse_distance": args.max_reuse_distance,
             "max_live_parameters": args.max_live_parameters, "prefetch_bucket_size": args.prefetch_bucket_size,
             "seq": 16 if args.seq is None else args.seq, "micro_batch": args.micro_batch, "shard_group_size": args.shard_group_size,
-            "gradient_checkpointing": args.gradient_checkpointing, "quantized_weights": args.quantized_weights}
+            "gradient_checkpointing": args.gradient_checkpointing, "quantized_weights": args.quantized_weights,
+            "gpus_per_node": args.gpus_per_node, "hpz_partition_size": args.hpz_partition_size}
     try:
         result = simulate.run_rank_subprocess(spec, lambda line: print(f"  {line} ...", flush=True))
     except RuntimeError as error:
@@ -440,8 +446,12 @@ def _comm_line(comm: dict[str, dict[str, int]]) -> str:
     inside = sum(c["bytes"] for kind, c in comm.items() if kind != "replica_all_reduce")
     across = comm.get("replica_all_reduce", {}).get("bytes", 0)
     line = f"communication of the step: {human_bytes(inside)} in the rank's shard group"
-    return line + (f", {human_bytes(across)} between shard groups (the gradient shards' all-reduce across replicas)"
-                   if "replica_all_reduce" in comm else " (every rank)")
+    line += (f", {human_bytes(across)} between shard groups (the gradient shards' all-reduce across replicas)"
+             if "replica_all_reduce" in comm else " (every rank)")
+    # [Note: bytes between nodes] in hf_zero.comm.collectives, with --gpus-per-node ranks a node.
+    between = sum(c.get("bytes_between_nodes", 0) for c in comm.values())
+    total = sum(c["bytes"] for c in comm.values())
+    return line + f"; by where the data lives: {human_bytes(total - between)} inside the node, {human_bytes(between)} between nodes"
 
 
 def _add_export_and_estimate(sub: argparse._SubParsersAction) -> None:
@@ -501,6 +511,9 @@ def _add_export_and_estimate(sub: argparse._SubParsersAction) -> None:
     estimate.add_argument("--shard-group-size", type=int, default=None,
                           help="mics_shard_size (hybrid sharding): shard the states over groups of this many ranks, "
                           "usually --gpus-per-node, and replicate across them (default: shard over all ranks)")
+    estimate.add_argument("--hpz-partition-size", type=at_least(1), default=1,
+                          help="zero_hpz_partition_size (ZeRO++ hpZ): stage-3 secondary shards over groups of this many "
+                          "ranks, usually --gpus-per-node; their memory is in the stage-3 rows' +working")
     estimate.add_argument("--quantized-weights", action="store_true",
                           help="with --simulate: zero_quantized_weights (ZeRO++ qwZ), the stage-3 gathers in int8 blocks")
     estimate.add_argument("--simulate", action="store_true",

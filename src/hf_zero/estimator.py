@@ -390,7 +390,7 @@ def _working_bytes(groups: list[GroupStats], stage: int, compute_bytes: int,
 def _estimate(model: nn.Module, world: int, gpus_per_node: int, stage: int, compute_bytes: int,
               threshold: int, wrap_modules: Sequence[str] | None, offload_optimizer: bool,
               offload_param: bool, working: WorkingSettings, shard_size: int,
-              activations: Mapping[tuple[str, str], int] | None = None) -> StateEstimate:
+              activations: Mapping[tuple[str, str], int] | None = None, secondary_size: int = 1) -> StateEstimate:
     groups = group_stats(model, shard_size, stage, threshold, wrap_modules)
     mem = _state_bytes(groups, stage, compute_bytes)
     device, host = sum(mem.values()), 0
@@ -402,9 +402,14 @@ def _estimate(model: nn.Module, world: int, gpus_per_node: int, stage: int, comp
         sharded = sum(g.shard_numel for g in groups if not g.persistent) * compute_bytes
         host += sharded
         device -= sharded
+    # hpZ's secondary shards ([Note: secondary shards]): 1/P of every sharded group, from the
+    # forward to the step, so working memory; offload_param refuses the key.
+    secondary = (compute_bytes * sum(g.shard_numel for g in groups if not g.persistent) * shard_size // secondary_size
+                 if stage == 3 and secondary_size > 1 and not offload_param else 0)
     both = None if activations is None else _working_and_activations(groups, stage, compute_bytes, working, activations)
     return StateEstimate(stage, offload_optimizer, offload_param, world, gpus_per_node, device,
-                         _working_bytes(groups, stage, compute_bytes, working), host, mem, compute_bytes, both)
+                         _working_bytes(groups, stage, compute_bytes, working) + secondary, host, mem, compute_bytes,
+                         None if both is None else both + secondary)
 
 
 def estimate_model_states(
@@ -418,6 +423,7 @@ def estimate_model_states(
     working: WorkingSettings = WorkingSettings(),
     shard_group_size: int | None = None,
     activations: Mapping[tuple[str, str], int] | None = None,
+    secondary_partition_size: int = 1,
 ) -> list[StateEstimate]:
     """Per-rank device and host bytes for model states under each stage in ``stages``, without
     offload, with ``offload_optimizer=cpu`` (stages 1-3) and with both offloads (stage 3); see
@@ -427,6 +433,8 @@ def estimate_model_states(
     ``shard_group_size``: ``mics_shard_size`` (hybrid sharding): states are sharded over groups of
     that many ranks, not over the world. ``activations``: ``ActivationEstimate.by_unit``
     (hf_zero/activations.py), which fills each row's ``working_and_activations``.
+    ``secondary_partition_size``: ``zero_hpz_partition_size``, whose secondary shards the stage-3
+    rows without offload_param add to the working memory.
     """
     if num_gpus_per_node < 1 or num_nodes < 1:
         raise ValueError(f"num_gpus_per_node and num_nodes must be >= 1, got {num_gpus_per_node}, {num_nodes}")
@@ -435,6 +443,9 @@ def estimate_model_states(
     shard_size = world if shard_group_size is None or shard_group_size <= 0 else shard_group_size
     if world % shard_size:
         raise ValueError(f"shard_group_size {shard_group_size} does not divide the world size {world}")
+    secondary_size = secondary_partition_size if 1 < secondary_partition_size < world else 1  # as initialize
+    if world % secondary_size:
+        raise ValueError(f"secondary_partition_size {secondary_partition_size} does not divide the world size {world}")
     compute_bytes = _compute_bytes(dtype)
     estimates = []
     for stage in stages:
@@ -442,7 +453,7 @@ def estimate_model_states(
         for offload_optimizer, offload_param in choices:
             estimates.append(_estimate(module, world, num_gpus_per_node, stage, compute_bytes,
                                        persistence_threshold, wrap_modules, offload_optimizer, offload_param,
-                                       working, shard_size, activations))
+                                       working, shard_size, activations, secondary_size))
     return estimates
 
 

@@ -128,7 +128,8 @@ def live_config(spec: dict[str, Any]) -> dict[str, Any]:
             "stage3_max_live_parameters": spec["max_live_parameters"],
             "stage3_prefetch_bucket_size": spec["prefetch_bucket_size"],
             "mics_shard_size": spec.get("shard_group_size") or -1,
-            "zero_quantized_weights": bool(spec.get("quantized_weights"))}
+            "zero_quantized_weights": bool(spec.get("quantized_weights")),
+            "zero_hpz_partition_size": spec.get("hpz_partition_size") or 1}
     config: dict[str, Any] = {"train_micro_batch_size_per_gpu": spec["micro_batch"],
                               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": zero}
     if spec["dtype"] != "fp32":
@@ -147,6 +148,8 @@ def play_rank(spec: dict[str, Any], progress: Callable[[str], None] = lambda lin
     from hf_zero.estimator import meta_model
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[spec["dtype"]]
+    # The simulated rank's node ([Note: bytes between nodes] in hf_zero.comm.collectives).
+    os.environ["LOCAL_WORLD_SIZE"] = str(spec.get("gpus_per_node") or spec["world"])
     dist.init_process_group("fake", store=FakeStore(), rank=spec["rank"], world_size=spec["world"])
     try:
         live = hf_zero.HfZeroConfig(live_config(spec))  # alive: from_config builds on the meta device

@@ -197,7 +197,8 @@ def test_a_step_issues_the_collectives_of_a_world_of_8(played) -> None:
             assert step_stats["all_gather"]["numel"] == padded, (name, step_stats)
             assert step_stats["all_gather"]["calls"] >= 1
             assert step_stats["reduce_scatter"]["numel"] == padded, (name, step_stats)
-            assert step_stats["all_reduce"] == {"calls": 1, "numel": flags, "bytes": 4 * flags}, (name, step_stats)
+            assert step_stats["all_reduce"] == {"calls": 1, "numel": flags, "bytes": 4 * flags, "bytes_inside_node": 4 * flags,
+                                                "bytes_between_nodes": 0}, (name, step_stats)  # one node
             assert set(step_stats) == {"all_gather", "reduce_scatter", "all_reduce"}
 
 

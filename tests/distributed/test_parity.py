@@ -193,7 +193,7 @@ def test_comm_volume_per_step(runs, sc):
         # parameters some rank used goes over the host group, and only when some rank has one
         # without a gradient ([Note: parameters no rank used]), not counted as model traffic.
         flags = 2
-        norm = {"calls": 1, "numel": flags, "bytes": 4 * flags}
+        norm = {"calls": 1, "numel": flags, "bytes": 4 * flags, "bytes_inside_node": 4 * flags, "bytes_between_nodes": 0}
         moved = {k: v["numel"] for k, v in step_stats.items() if k != "all_reduce"}
         assert moved == {k: v for k, v in expected.items() if k != "all_reduce"}
         if sc["stage"] == 0:

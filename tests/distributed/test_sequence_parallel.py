@@ -198,7 +198,9 @@ def _all_to_all_per_step(kind: str, size: int, checkpointing: bool) -> dict[str,
     kv_heads = max(2 if kind == "llama" else 1, size)
     per_pass = 2 * ROWS * 4 * local * 4 + 2 * ROWS * kv_heads * local * 4  # 4 query heads of 4
     passes = 2 * (3 if checkpointing else 2)  # two layers
-    return {"calls": 4 * passes, "numel": per_pass * passes, "bytes": 4 * per_pass * passes}
+    nbytes = 4 * per_pass * passes  # all on one node
+    return {"calls": 4 * passes, "numel": per_pass * passes, "bytes": nbytes, "bytes_inside_node": nbytes,
+            "bytes_between_nodes": 0}
 
 
 def _initial_params(kind: str, attn: str) -> dict[str, Any]:

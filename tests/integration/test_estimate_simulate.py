@@ -143,27 +143,43 @@ def test_the_peak_with_activations_is_the_simulated_peak(tmp_path):
     assert abs(formula - measured) <= WORKING_RTOL * measured, (measured, formula)
 
 
-def _step_traffic(out: str) -> float:
-    """The simulated step's bytes in the shard group, from the 'communication of the step' line."""
+def _step_traffic(out: str) -> dict[str, float]:
+    """The simulated step's bytes, from the 'communication of the step' line: in the shard group,
+    and by where the data lives (inside the node, between nodes)."""
     line = next(line for line in out.splitlines() if line.startswith("communication of the step"))
-    value, unit = re.search(r"step: ([\d.]+) (B|KiB|MiB|GiB|TiB)", line).groups()
-    return float(value) * 1024 ** ["B", "KiB", "MiB", "GiB", "TiB"].index(unit)
+    size = r"([\d.]+) (B|KiB|MiB|GiB|TiB)"
+    found = {name: re.search(pattern, line).groups() for name, pattern in (
+        ("total", rf"step: {size}"), ("inside", rf"{size} inside the node"), ("between", rf"{size} between nodes"))}
+    return {name: float(value) * 1024 ** ["B", "KiB", "MiB", "GiB", "TiB"].index(unit)
+            for name, (value, unit) in found.items()}
 
 
-def test_quantized_weights_are_simulated_with_the_smaller_gathers(model_dir):
-    """``--quantized-weights`` (ZeRO++ qwZ) on 8 x 8, bf16: the two gathers of each unit send int8
-    blocks (1 + 4/512 bytes a parameter instead of 2), the fp32 reduce-scatter (4 bytes) is
-    unchanged, so the step moves (2 x 1.008 + 4) / (2 x 2 + 4) = 0.752 of the plain step's bytes;
-    without --simulate the flag is a one-line error."""
+def test_zero_plus_plus_keys_are_simulated_with_their_traffic(model_dir):
+    """8 x 8 ranks, bf16, one gather a unit (the default reuse distance keeps each from its forward
+    to its backward). ``--quantized-weights`` (ZeRO++ qwZ): the gathers send int8 blocks (1 + 4/512
+    bytes a parameter instead of 2), the bf16 reduce-scatter (2 bytes) is unchanged, so the step
+    moves (1.008 + 2) / (2 + 2) = 0.752 of the plain step's bytes. With ``--max-reuse-distance 0``
+    the backward gathers again; ``--hpz-partition-size 8`` (hpZ) moves the same bytes, but those
+    extra gathers stay inside the node, where without it 56/64 of them cross. Either flag without
+    --simulate, or hpZ with --shard-group-size, is a one-line error."""
     runs = {}
-    for flags in ([], ["--quantized-weights"]):
+    again = ["--max-reuse-distance", "0"]
+    for name, flags in (("plain", []), ("qwz", ["--quantized-weights"]), ("again", again),
+                        ("hpz", [*again, "--hpz-partition-size", "8"])):
         done = subprocess.run([*_hf_zero(), "estimate", "--model", model_dir, "--gpus-per-node", "8", "--nodes", "8",
                                "--stages", "3", "--dtype", "bf16", "--simulate", *flags],
                               capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stdout + done.stderr
-        runs[bool(flags)] = _step_traffic(done.stdout)
-    ratio = runs[True] / runs[False]
-    assert 0.74 < ratio < 0.76, (runs, ratio)
-    alone = subprocess.run([*_hf_zero(), "estimate", "--model", model_dir, "--quantized-weights"],
-                           capture_output=True, text=True, timeout=120)
-    assert alone.returncode == 2 and "--quantized-weights needs --simulate" in alone.stderr
+        runs[name] = _step_traffic(done.stdout)
+    plain, qwz, again_, hpz = runs["plain"], runs["qwz"], runs["again"], runs["hpz"]
+    assert 0.745 < qwz["total"] / plain["total"] < 0.76, runs
+    assert abs(plain["between"] / plain["total"] - 56 / 64) < 0.001, plain
+    regathered = again_["total"] - plain["total"]
+    assert regathered > 0.05 * plain["total"], runs
+    assert abs(hpz["total"] - again_["total"]) < 0.001 * plain["total"], runs
+    assert abs((again_["between"] - hpz["between"]) - 56 / 64 * regathered) < 0.01 * regathered, runs
+    for flags, message in ((["--quantized-weights"], "--quantized-weights needs --simulate"),
+                           (["--hpz-partition-size", "8", "--shard-group-size", "8"], "without --shard-group-size")):
+        alone = subprocess.run([*_hf_zero(), "estimate", "--model", model_dir, "--gpus-per-node", "8", "--nodes", "8",
+                                *flags], capture_output=True, text=True, timeout=120)
+        assert alone.returncode == 2 and message in alone.stderr, alone.stderr

@@ -97,6 +97,16 @@ def test_saved_model_reloads_with_the_trained_outputs(trainer_runs: dict[str, An
 MIXED_PRECISION_LOSS_ATOL = {"gpt2-z3-bf16": 5e-3, "gpt2-z2-fp16": 1e-3}
 
 
+def test_zero_plus_plus_keys_train_through_the_trainer(trainer_runs: dict[str, Any]) -> None:
+    """--bf16 at stage 3 with zero_quantized_weights and zero_hpz_partition_size: every logged loss
+    within 2% of the same run without the keys, and not equal to it (the gathers were int8)."""
+    run, plain = _job(trainer_runs, "gpt2-z3-bf16-zeropp"), _job(trainer_runs, "gpt2-z3-bf16")
+    assert plain["loss"][0] - plain["loss"][-1] > 0.5, plain["loss"]
+    gaps = [abs(a - b) / b for a, b in zip(run["loss"], plain["loss"], strict=True)]
+    assert max(gaps) < 0.02, (run["loss"], plain["loss"])
+    assert run["loss"] != plain["loss"]
+
+
 @pytest.mark.parametrize("name", sorted(MIXED_PRECISION_LOSS_ATOL))
 def test_mixed_precision_trains_like_fp32(trainer_runs: dict[str, Any], name: str) -> None:
     """--bf16 at stage 3 and --fp16 at stage 2 (dynamic loss scale) through the unmodified script:

@@ -172,7 +172,6 @@ def test_partial_optimizer_offload_needs_device_cpu(device: str) -> None:
         ({"zero_optimization": {"stage": 2, "cpu_offload": True}}, "zero_optimization.cpu_offload"),
         ({"zero_optimization": {"stage": 3, "zero_quantized_nontrainable_weights": True}}, "zero_optimization.zero_quantized_nontrainable_weights"),
         ({"zero_optimization": {"stage": 3, "zero_quantized_gradients": True}}, "zero_optimization.zero_quantized_gradients"),
-        ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}}, "zero_optimization.zero_hpz_partition_size"),
         ({"zero_optimization": {"stage": 3, "zenflow": {"topk_ratio": 0.1}}}, "zero_optimization.zenflow"),
         ({"zero_optimization": {"stage": 3, "stage3_module_granularity_threshold": 100}}, "zero_optimization.stage3_module_granularity_threshold"),
         ({"zero_optimization": {"stage": 3, "offload_optimizer": {"super_offload": True}}}, "zero_optimization.offload_optimizer.super_offload"),
@@ -374,3 +373,20 @@ def test_quantized_weights_below_stage_3_say_there_is_nothing_to_gather(stage: i
 
 def test_quantized_weights_at_stage_3_are_accepted() -> None:
     assert HfZeroConfig({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}).zero.zero_quantized_weights
+
+
+@pytest.mark.parametrize(("zero", "rule_part", "fix_part"), [
+    ({"stage": 2}, "stage 2 gathers none", "stage to 3"),
+    ({"stage": 3, "mics_shard_size": 8}, "every gather already stays inside its shard group", "use one"),
+    ({"stage": 3, "offload_param": {"device": "cpu"}}, "which offload_param cpu exists to keep off", "device to none"),
+])
+def test_secondary_shards_refused_where_they_cannot_help(zero: dict, rule_part: str, fix_part: str) -> None:
+    (problem,) = _problems({"zero_optimization": {**zero, "zero_hpz_partition_size": 8}})
+    assert problem.path == "zero_optimization.zero_hpz_partition_size"
+    assert rule_part in problem.rule and fix_part in problem.fix
+
+
+@pytest.mark.parametrize("size", [0, 1, 2, 8])
+def test_secondary_shards_at_stage_3_are_accepted(size: int) -> None:
+    config = {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": size, "zero_quantized_weights": True}}
+    assert HfZeroConfig(config).zero.zero_hpz_partition_size == size

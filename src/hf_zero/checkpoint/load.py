@@ -346,6 +346,8 @@ def _fill(dst: torch.Tensor, pieces: list[Piece], key: str, files: RankFiles) ->
 def _load_parameters(engine: EngineState, plan: _Plan) -> None:
     for unit in engine.units:  # a unit still gathered would go stale, and its lent shard has no memory
         unit.reshard()  # ([Note: the shard lent to the gathered buffer] in hf_zero.engine.sharding.param_storage)
+        for group in unit.groups:  # the shards change under them ([Note: secondary shards])
+            group.storage.drop_secondary()
     for item in plan.groups:
         group = item.group
         if is_streamed(engine, group):  # see [Note: checkpoints of NVMe-offloaded state]

@@ -14,6 +14,7 @@ World size 1 runs the same code with the collectives skipped and nothing counted
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from datetime import timedelta
 from contextlib import contextmanager
@@ -155,10 +156,37 @@ def _make_mesh(group: dist.ProcessGroup | None, shard_size: int, timeout_s: floa
     return mesh
 
 
+# [Note: node groups for hpZ]
+# ``zero_hpz_partition_size`` P (DeepSpeed ZeRO++'s hpZ) splits the shard group into groups of P
+# consecutive ranks, the GPUs of a node as launchers number them; a stage-3 group keeps a
+# secondary shard of its gathered parameters over them (hf_zero.engine.sharding.param_storage,
+# [Note: secondary shards]) and gathers from it inside the node. Made like the meshes: every rank
+# makes every group, in one order, once per (group, P).
+_NODE_GROUPS: dict[tuple[object, int], dist.ProcessGroup] = {}
+
+
+def _make_node_group(group: dist.ProcessGroup | None, size: int, timeout_s: float | None) -> dist.ProcessGroup:
+    key = (_grad_group_key(group), size)
+    if key not in _NODE_GROUPS:
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        kwargs = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+        mine = None
+        for start in range(0, len(ranks), size):
+            made = dist.new_group(ranks=ranks[start:start + size], **kwargs)
+            if dist.get_rank() in ranks[start:start + size]:
+                mine = made
+        assert mine is not None
+        if dist.get_backend(mine) == "nccl":  # made now, together, not inside a backward hook
+            dist.all_reduce(torch.zeros(1, device=rank_device()), group=mine)
+        _NODE_GROUPS[key] = mine
+    return _NODE_GROUPS[key]
+
+
 def _release_groups() -> None:
     _GRAD_GROUPS.clear()
     _MESHES.clear()
     _HOST_GROUPS.clear()
+    _NODE_GROUPS.clear()
 
 
 class CollectiveError(RuntimeError):
@@ -216,11 +244,19 @@ class _ReportingHandle:
         return self.work.is_completed()
 
 
+# [Note: bytes between nodes]
+# Each counted collective's ``bytes`` (its logical size, [Note: counting]) is split by where the
+# data lives: of a group of g ranks of which l are on this rank's node, the chunks of the other
+# g - l ranks are the part that crosses between nodes, ``bytes * (g - l) / g``, and the rest stays
+# inside. That is what a gather receives from other nodes, what a reduce-scatter or all-reduce
+# combines from them, whatever algorithm the backend runs. A node is ``LOCAL_WORLD_SIZE``
+# consecutive ranks (torchrun's numbering); without it, every rank is on one node.
 @dataclass
 class CollectiveCounter:
     calls: int = 0
     numel: int = 0
     bytes: int = 0
+    bytes_between_nodes: int = 0
 
 
 @dataclass
@@ -229,26 +265,38 @@ class CommStats:
         default_factory=lambda: defaultdict(CollectiveCounter)
     )
 
-    def add(self, kind: str, tensor: torch.Tensor) -> None:
+    def add(self, kind: str, tensor: torch.Tensor, share_between_nodes: float = 0.0) -> None:
+        """``share_between_nodes``: the part of the group on other nodes ([Note: bytes between nodes])."""
         counter = self.by_kind[kind]
         counter.calls += 1
         counter.numel += tensor.numel()
-        counter.bytes += tensor.numel() * tensor.element_size()
+        nbytes = tensor.numel() * tensor.element_size()
+        counter.bytes += nbytes
+        counter.bytes_between_nodes += round(nbytes * share_between_nodes)
 
     def as_dict(self) -> dict[str, dict[str, int]]:
         return {
-            kind: {"calls": c.calls, "numel": c.numel, "bytes": c.bytes}
+            kind: {"calls": c.calls, "numel": c.numel, "bytes": c.bytes,
+                   "bytes_inside_node": c.bytes - c.bytes_between_nodes, "bytes_between_nodes": c.bytes_between_nodes}
             for kind, c in sorted(self.by_kind.items())
         }
+
+
+def ranks_per_node(world_size: int) -> int:
+    """``LOCAL_WORLD_SIZE`` as the launcher set it, or ``world_size`` (one node) without it."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    return min(local, world_size) if local > 0 else world_size
 
 
 class Communicator:
     """Collectives over one process group, counted and labelled (see [Note: counting])."""
 
     def __init__(self, group: dist.ProcessGroup | None = None, timeout_s: float | None = None,
-                 shard_size: int | None = None) -> None:
+                 shard_size: int | None = None, node_size: int | None = None) -> None:
         """``group``: every rank of the run; ``shard_size``: shard over groups of that many ranks
-        and replicate across them ([Note: hybrid sharding]); None shards over all of ``group``."""
+        and replicate across them ([Note: hybrid sharding]); None shards over all of ``group``.
+        ``node_size``: gathers may also go over groups of that many consecutive ranks of the
+        shard group ([Note: node groups for hpZ])."""
         self.initialized = dist.is_available() and dist.is_initialized()
         self.group = group  # agreement, phases, broadcasts, saves: every rank
         self.global_rank = dist.get_rank(group) if self.initialized else 0
@@ -269,6 +317,18 @@ class Communicator:
         self.replicas = self.global_world_size // self.world_size
         if self.world_size > 1:  # see [Note: two process groups]
             _make_grad_group(self.shard_group, timeout_s)
+        if node_size is not None and node_size > 1 and self.world_size % node_size:
+            raise ValueError(
+                f"hf_zero: zero_optimization.zero_hpz_partition_size {node_size} does not divide the {self.world_size} "
+                "ranks the parameters are sharded over; write a divisor of it (the GPUs of one node)")
+        # The ranks a secondary shard is gathered over ([Note: node groups for hpZ]); 1: none.
+        self.node_size = min(node_size, self.world_size) if node_size is not None and node_size > 1 else 1
+        self.node_group = (_make_node_group(self.shard_group, self.node_size, timeout_s)
+                           if self.node_size > 1 and self.initialized else None)
+        self.node_rank = self.rank % self.node_size
+        # [Note: bytes between nodes]: per group, the part of its ranks on other nodes.
+        self._ranks_per_node = ranks_per_node(self.global_world_size)
+        self._share_between: dict[object, float] = {}
         # Phase check-ins and used-parameter flags: [Note: the host group].
         self.host_group = _host_group(group, timeout_s) if self.global_world_size > 1 else None
         self._host_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -330,31 +390,46 @@ class Communicator:
             assert_not_host(tensor, f"collective {label!r}")
             check_launch(tensor, f"collective {label!r}", strict=late_completion())
 
-    def _count(self, kind: str, label: str, tensor: torch.Tensor) -> None:
-        self.stats.add(kind, tensor)
+    def share_between_nodes(self, group: dist.ProcessGroup | None) -> float:
+        """The part of ``group``'s ranks on other nodes than this rank's ([Note: bytes between nodes])."""
+        key = _grad_group_key(group)
+        if key not in self._share_between:
+            ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
+            node = dist.get_rank() // self._ranks_per_node
+            away = sum(1 for r in ranks if r // self._ranks_per_node != node)
+            self._share_between[key] = away / len(ranks)
+        return self._share_between[key]
+
+    def _count(self, kind: str, label: str, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+        self.stats.add(kind, tensor, self.share_between_nodes(group))
         if self.trace is not None:
             self.trace.append((kind, label))
 
-    def count_issued_elsewhere(self, kind: str, label: str, tensor: torch.Tensor) -> None:
-        """Count a collective issued outside this communicator on a group of the same run
-        (sequence parallelism's, inside autograd: hf_zero.sequence_parallel.exchange), so that
+    def count_issued_elsewhere(self, kind: str, label: str, tensor: torch.Tensor,
+                               group: dist.ProcessGroup | None) -> None:
+        """Count a collective issued outside this communicator on ``group``, a group of the same
+        run (sequence parallelism's, inside autograd: hf_zero.sequence_parallel.exchange), so that
         ``comm_stats()`` holds every collective of a step."""
-        self._count(kind, label, tensor)
+        self._count(kind, label, tensor, group)
 
     def reset_stats(self) -> None:
         self.stats = CommStats()
 
     def all_gather_into(
         self, output: torch.Tensor, shard: torch.Tensor, label: str, async_op: bool = False,
-        after: tuple[Completion, ...] = (),
+        after: tuple[Completion, ...] = (), within_node: bool = False,
     ) -> Handle:
         """``output`` (world_size x shard numel) receives every rank's ``shard``, rank-major.
         ``shard`` may be this rank's slice of ``output`` (in place). ``after``: completions the
-        shard depends on (its copy from the host). Runs on the all-gather stream ([Note: streams
-        and events] in hf_zero.execution)."""
+        shard depends on (its copy from the host). ``within_node``: over this rank's node group
+        instead (``node_size`` x shard numel, [Note: node groups for hpZ]). Runs on the
+        all-gather stream ([Note: streams and events] in hf_zero.execution)."""
         self._check(label, output, shard)
+        group = self.node_group if within_node else self.shard_group
+        if within_node and self.node_size == 1:
+            raise ValueError(f"all-gather {label!r} within the node: this communicator has no node groups")
         if self.active:
-            self._count("all_gather", label, output)
+            self._count("all_gather", label, output, group)
 
         def issue(out: torch.Tensor, inp: torch.Tensor, async_: bool) -> object:
             if not self.active:
@@ -363,12 +438,12 @@ class Communicator:
                 return None
             with record_function(f"hf_zero::all_gather::{label}"):  # failures: reported by _run
                 if self._all_gather_by_exchange and out.device.type == "cpu":
-                    work = ExchangeAllGather(out, inp, self.shard_group)  # [Note: all-gather on gloo]
+                    work = ExchangeAllGather(out, inp, group)  # [Note: all-gather on gloo]
                     if not async_:
                         work.wait()
                         return None
                     return work
-                return _ALL_GATHER(out, inp, group=self.shard_group, async_op=async_)
+                return _ALL_GATHER(out, inp, group=group, async_op=async_)
 
         return self._run("all_gather", "all-gather", label, output, shard, issue, async_op, after)
 
@@ -386,9 +461,9 @@ class Communicator:
                 f"hf_zero: reduce-scatter {label!r} with {op} on gloo: the gloo exchange sums only "
                 "(this is a bug in hf_zero: the caller should have divided first)")
         if self.active:
-            self._count("reduce_scatter", label, full)
+            self._count("reduce_scatter", label, full, self.grad_group)
             if self.replica_group is not None:
-                self._count("replica_all_reduce", label, shard)
+                self._count("replica_all_reduce", label, shard, self.replica_group)
 
         def issue(out: torch.Tensor, inp: torch.Tensor, async_: bool) -> object:
             if not self.active:
@@ -439,9 +514,9 @@ class Communicator:
         sharding included."""
         self._check(label, tensor)
         if self.active:
-            self._count("all_reduce", label, tensor)
+            group = self.grad_group if grads else self.group if over_all_ranks else self.shard_group
+            self._count("all_reduce", label, tensor, group)
             with record_function(f"hf_zero::all_reduce::{label}"), self._reporting("all-reduce", label):
-                group = self.grad_group if grads else self.group if over_all_ranks else self.shard_group
                 dist.all_reduce(tensor, op=op, group=group)
         return tensor
 
@@ -452,7 +527,7 @@ class Communicator:
         events] in hf_zero.execution): stage 0's buckets, launched during the backward."""
         self._check(label, tensor)
         if self.active:
-            self._count("all_reduce", label, tensor)
+            self._count("all_reduce", label, tensor, self.grad_group)
 
         def issue(out: torch.Tensor, inp: torch.Tensor, async_: bool) -> object:
             if out.data_ptr() != inp.data_ptr():  # a private result under late completion
@@ -467,7 +542,7 @@ class Communicator:
     def broadcast_(self, tensor: torch.Tensor, src: int, label: str) -> torch.Tensor:
         self._check(label, tensor)
         if self.active:
-            self._count("broadcast", label, tensor)
+            self._count("broadcast", label, tensor, self.group)
             with record_function(f"hf_zero::broadcast::{label}"), self._reporting("broadcast", label):
                 dist.broadcast(tensor, src=src, group=self.group)
         return tensor

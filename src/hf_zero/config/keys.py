@@ -243,10 +243,6 @@ def _false_or_none(value: Any) -> bool:
     return not value
 
 
-def _at_most_one(value: Any) -> bool:
-    return value is None or value <= 1
-
-
 def _not_positive(value: Any) -> bool:
     return value <= 0
 
@@ -400,7 +396,7 @@ _SPECS: list[KeySpec] = [
     KeySpec("zero_optimization.ignore_unused_parameters", Bool(), True, "Ignore parameters that get no gradient; false makes them an error (stage 2).", NOT_IMPLEMENTED, "the unused-parameter error", when_on="false"),
     KeySpec("zero_optimization.legacy_stage1", Bool(), False, "DeepSpeed's old stage-1 implementation.", NO_EFFECT, "an implementation choice; the math is unchanged"),
     KeySpec("zero_optimization.round_robin_gradients", Bool(), False, "Interleave gradient partitions to parallelise offload copies.", NO_EFFECT, "a speed hint for offload copies; the math is unchanged"),
-    KeySpec("zero_optimization.zero_hpz_partition_size", Int(), 1, "ZeRO++ hpZ secondary partition size.", NOT_IMPLEMENTED, _NI_ZEROPP, check=at_least(0), off=_at_most_one, when_on="> 1"),
+    KeySpec("zero_optimization.zero_hpz_partition_size", Int(), 1, "ZeRO++ hpZ: after a gather over all ranks each keeps 1/P of the 16-bit weights, so later gathers (the backward's) stay within groups of P consecutive ranks (a node); 1: off (stage 3).", IMPLEMENTED, "secondary shards", check=at_least(0)),
     KeySpec("zero_optimization.zero_quantized_weights", Bool(), False, "ZeRO++ qwZ: stage-3 parameter gathers send int8 blocks with an fp32 scale per 512 elements; shards, masters and checkpoints stay exact (stage 3).", IMPLEMENTED, "quantized weight gathers"),
     KeySpec("zero_optimization.zero_quantized_nontrainable_weights", Bool(), False, "ZeRO++ MixZ++: frozen weights stored quantized.", NOT_IMPLEMENTED, _NI_ZEROPP, when_on="true"),
     KeySpec("zero_optimization.zero_quantized_gradients", Bool(), False, "ZeRO++ qgZ: quantized gradient reduction.", NOT_IMPLEMENTED, _NI_ZEROPP, when_on="true"),

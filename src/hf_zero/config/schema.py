@@ -194,7 +194,8 @@ class ZeroConfig(_Typed):
     round_robin_gradients: bool
     """DeepSpeed offload speed hint, no effect in hf_zero. Default False."""
     zero_hpz_partition_size: int
-    """ZeRO++ hpZ partition size; must stay 1 (not implemented). Default 1."""
+    """ZeRO++ hpZ: secondary shards over groups of this many ranks, which the backward's gathers
+    stay within (stage 3). Default 1 (off)."""
     zero_quantized_weights: bool
     """ZeRO++ qwZ: stage-3 gathers send int8 blocks (stage 3 only). Default False."""
     zero_quantized_nontrainable_weights: bool

@@ -348,6 +348,24 @@ def _check_shard_groups(root: dict[str, Any], problems: ProblemList) -> None:
         problems.add("zero_optimization.zero_quantized_weights", True,
                      f"ZeRO++ qwZ quantizes stage 3's parameter gathers; stage {stage} keeps every parameter "
                      "gathered and gathers none", "set zero_optimization.stage to 3, or remove zero_quantized_weights")
+    hpz = _int(zero.get("zero_hpz_partition_size", 1))
+    if hpz is not None and hpz > 1:
+        offload = zero.get("offload_param")
+        offload_device = offload.get("device", "none") if isinstance(offload, dict) else "none"
+        if stage is not None and stage != 3:
+            problems.add("zero_optimization.zero_hpz_partition_size", hpz,
+                         f"ZeRO++ hpZ keeps secondary shards for stage 3's parameter gathers; stage {stage} gathers "
+                         "none", "set zero_optimization.stage to 3, or zero_hpz_partition_size to 1")
+        elif size is not None and size > 1:
+            problems.add("zero_optimization.zero_hpz_partition_size", hpz,
+                         f"with mics_shard_size {size} every gather already stays inside its shard group; hpZ's "
+                         "secondary shards would cost memory and save no traffic",
+                         "use one: mics_shard_size (fewer bytes between nodes, more memory per rank) or "
+                         "zero_hpz_partition_size (states sharded over all ranks); see the README's multi-node section")
+        elif offload_device in ("cpu", "nvme"):
+            problems.add("zero_optimization.zero_hpz_partition_size", hpz,
+                         f"hpZ keeps 1/{hpz} of the 16-bit weights on the GPU, which offload_param {offload_device} "
+                         "exists to keep off it", "set zero_hpz_partition_size to 1, or offload_param.device to none")
 
 
 def _check_offload_section(name: str, section: dict[str, Any], stage: int | None, problems: ProblemList) -> None:

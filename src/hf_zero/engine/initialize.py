@@ -484,9 +484,17 @@ def _join_group(device: torch.device, config: Any) -> tuple[Communicator, Any, E
 
 def _shard_groups(comm: Communicator, resolved: HfZeroConfig) -> Communicator:
     """The communicator the units shard over: ``comm`` itself, or with ``mics_shard_size`` one
-    over groups of that many ranks ([Note: hybrid sharding] in hf_zero.comm.collectives). Made
-    after the ranks agreed on the config: making the groups is collective."""
+    over groups of that many ranks ([Note: hybrid sharding] in hf_zero.comm.collectives), or with
+    ``zero_hpz_partition_size`` one with node groups ([Note: node groups for hpZ]). Made after the
+    ranks agreed on the config: making the groups is collective."""
     size = int(resolved.zero.mics_shard_size)
+    node = int(resolved.zero.zero_hpz_partition_size)  # stage 3 only: validate.py
+    if node > 1:
+        made = (Communicator(comm.group, timeout_s=comm.timeout_s, node_size=node)  # no mics_shard_size: validate.py
+                if node < comm.global_world_size else comm)
+        if comm.global_rank == 0:
+            _log_secondary_shards(node, comm.global_world_size)
+        return made
     if size <= 1 or size >= comm.global_world_size:
         return comm
     return Communicator(comm.group, timeout_s=comm.timeout_s, shard_size=size)
@@ -557,6 +565,21 @@ def _place_buffers(model: nn.Module, device: torch.device, comm: Communicator, s
                 source.fill_(full_name, tuple(buf.shape), 0, buf.numel(), buf.view(-1))
             elif source is None:
                 comm.broadcast_(buf, src=0, label=f"buffer.{name}")
+
+
+def _log_secondary_shards(size: int, world_size: int) -> None:
+    """What ``zero_hpz_partition_size`` does here ([Note: secondary shards]), said once."""
+    if size >= world_size:
+        logger.info("hf_zero: zero_hpz_partition_size %d covers all %d ranks: every gather already stays in one "
+                    "group of that size, so hpZ keeps no secondary shards here (it does from %d ranks on)",
+                    size, world_size, 2 * size)
+        return
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    where = (f"all {world_size} ranks are on one node, so the gathers it keeps local were already (expect little "
+             "speed-up)" if local >= world_size else "the backward's gathers no longer cross the network")
+    logger.info("hf_zero: zero_hpz_partition_size %d: after a gather over all ranks each keeps 1/%d of the unit's "
+                "16-bit weights, and the backward (and the next micro-step) gathers them within groups of %d ranks; "
+                "%s", size, size, size, where)
 
 
 def _log_quantized_gathers(world_size: int) -> None:

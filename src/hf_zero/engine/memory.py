@@ -15,6 +15,9 @@ from torch import nn
 from hf_zero.transfer import host_footprint_bytes
 
 CATEGORIES = ("compute_params", "gradients", "fp32_master", "optimizer_state", "buffers")
+# Device memory only some configs have, shown in a table where a rank has it: hpZ's secondary
+# shards ([Note: secondary shards] in param_storage.py).
+OPTIONAL_CATEGORIES = ("secondary_params",)
 # Offloaded state (zero_optimization.offload_*): host memory, and bytes in NVMe files.
 HOST_CATEGORIES = ("host_params", "host_gradients", "host_fp32_master", "host_optimizer_state")
 
@@ -22,7 +25,7 @@ HOST_CATEGORIES = ("host_params", "host_gradients", "host_fp32_master", "host_op
 class _StorageCounter:
     def __init__(self) -> None:
         self.seen: set[int] = set()
-        self.totals = {name: 0 for name in CATEGORIES + HOST_CATEGORIES}
+        self.totals = {name: 0 for name in CATEGORIES + OPTIONAL_CATEGORIES + HOST_CATEGORIES}
 
     def add(self, category: str, tensors: Iterable[torch.Tensor | None]) -> None:
         for tensor in tensors:
@@ -60,6 +63,7 @@ def memory_report(units: list[Any], optimizer: Any, module: nn.Module) -> dict[s
     # NVMe parameter offload: the pool of host buffers the file-backed shards are read into.
     counter.add("host_params", (b for s in _param_stores(groups) for b in s.pool.buffers))
     counter.add("compute_params", (g.storage.shard for g in groups if not g.storage.shard_on_host))
+    counter.add("secondary_params", (g.storage.secondary for g in groups))
     counter.add("gradients", (g.grads.full for g in groups))
     counter.add("host_gradients", (g.grads.shard for g in groups if host[id(g)]))
     counter.add("gradients", (g.grads.shard for g in groups if not host[id(g)]))
@@ -76,7 +80,7 @@ def memory_report(units: list[Any], optimizer: Any, module: nn.Module) -> dict[s
     counter.add("optimizer_state", _state_tensors(optimizer, hosted_masters, False))
     counter.add("buffers", module.buffers())
     report = dict(counter.totals)
-    report["total"] = sum(counter.totals[k] for k in CATEGORIES)
+    report["total"] = sum(counter.totals[k] for k in CATEGORIES + OPTIONAL_CATEGORIES)
     report["host_total"] = sum(counter.totals[k] for k in HOST_CATEGORIES)
     report["nvme"] = _nvme_file_bytes(groups, optimizer)
     return report
@@ -124,7 +128,7 @@ def format_memory_table(
     header = ["category"] + ([f"rank {r}" for r in range(len(reports))] if per_rank else ["min", "max", "mean"])
     header.append("all ranks")
     rows = [header]
-    categories = [*CATEGORIES, "total"]
+    categories = [*CATEGORIES, *(k for k in OPTIONAL_CATEGORIES if any(r.get(k, 0) for r in reports)), "total"]
     offload = [*HOST_CATEGORIES, "host_total", "nvme"]
     if any(r.get(k, 0) for r in reports for k in offload):
         categories += offload

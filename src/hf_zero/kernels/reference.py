@@ -208,5 +208,8 @@ def dequantize_int8_blocks(codes: torch.Tensor, scales: torch.Tensor, out: torch
     rows, numel = out.shape
     if not numel:
         return
-    widened = scales.repeat_interleave(block, dim=1)[:, :numel]
-    out.copy_(codes.to(torch.float32) * widened)
+    # A row (one rank's payload) at a time: the fp32 temporaries are 12 bytes an element of a row,
+    # not of the gathered buffer (6.3 GB for a 525M-element embedding).
+    for row in range(rows):
+        widened = scales[row].repeat_interleave(block)[:numel]
+        out[row].copy_(codes[row].to(torch.float32) * widened)

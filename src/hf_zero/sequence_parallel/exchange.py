@@ -25,7 +25,7 @@ class _AllToAll(torch.autograd.Function):
         ctx.group, ctx.count = group, count
         chunks = chunks.contiguous()
         out = torch.empty_like(chunks)  # contiguous: empty_like keeps a view's strides
-        _counted(count, "all_to_all", "sequence_parallel.attention", chunks)
+        _counted(count, "all_to_all", "sequence_parallel.attention", chunks, group)
         dist.all_to_all_single(out, chunks, group=group)
         return out
 
@@ -33,7 +33,7 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         grad = grad.contiguous()
         out = torch.empty_like(grad)
-        _counted(ctx.count, "all_to_all", "sequence_parallel.attention.backward", grad)
+        _counted(ctx.count, "all_to_all", "sequence_parallel.attention.backward", grad, ctx.group)
         dist.all_to_all_single(out, grad, group=ctx.group)
         return out, None, None
 
@@ -46,14 +46,14 @@ class _SumOverGroup(torch.autograd.Function):
     def forward(ctx: Any, value: torch.Tensor, group: dist.ProcessGroup, count: Counter | None) -> torch.Tensor:
         ctx.group, ctx.count = group, count
         total = value.clone()
-        _counted(count, "all_reduce", "sequence_parallel.loss", total)
+        _counted(count, "all_reduce", "sequence_parallel.loss", total, group)
         dist.all_reduce(total, group=group)
         return total
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         total = grad.clone()
-        _counted(ctx.count, "all_reduce", "sequence_parallel.loss.backward", total)
+        _counted(ctx.count, "all_reduce", "sequence_parallel.loss.backward", total, ctx.group)
         dist.all_reduce(total, group=ctx.group)
         return total, None, None
 
@@ -68,24 +68,24 @@ class _GatherSequence(torch.autograd.Function):
         ctx.group, ctx.count, ctx.local = group, count, value.shape[1]
         ctx.rank = dist.get_rank(group)
         parts = [torch.empty_like(value) for _ in range(dist.get_world_size(group))]
-        _counted(count, "all_gather", "sequence_parallel.fused_head", value)
+        _counted(count, "all_gather", "sequence_parallel.fused_head", value, group)
         dist.all_gather(parts, value.contiguous(), group=group)
         return torch.cat(parts, dim=1)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         total = grad.contiguous().clone()
-        _counted(ctx.count, "all_reduce", "sequence_parallel.fused_head.backward", total)
+        _counted(ctx.count, "all_reduce", "sequence_parallel.fused_head.backward", total, ctx.group)
         dist.all_reduce(total, group=ctx.group)
         return total.narrow(1, ctx.rank * ctx.local, ctx.local), None, None
 
 
-Counter = Callable[[str, str, torch.Tensor], None]  # (kind, label, tensor): Communicator.count_issued_elsewhere
+Counter = Callable[[str, str, torch.Tensor, dist.ProcessGroup], None]  # Communicator.count_issued_elsewhere
 
 
-def _counted(count: Counter | None, kind: str, label: str, tensor: torch.Tensor) -> None:
+def _counted(count: Counter | None, kind: str, label: str, tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
     if count is not None:
-        count(kind, label, tensor)
+        count(kind, label, tensor, group)
 
 
 def all_to_all(chunks: torch.Tensor, group: dist.ProcessGroup, count: Counter | None = None) -> torch.Tensor:

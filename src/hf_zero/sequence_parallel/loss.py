@@ -51,7 +51,7 @@ def mean_over_tokens(local_sum: torch.Tensor, labels: torch.Tensor, num_items_in
     count = (labels != ignore_index).sum().to(device=total.device, dtype=torch.float32)
     if layout is not None:
         if layout.count is not None:
-            layout.count("all_reduce", "sequence_parallel.tokens", count)
+            layout.count("all_reduce", "sequence_parallel.tokens", count, layout.group)
         dist.all_reduce(count, group=layout.group)
     return total / count.clamp(min=1)
 

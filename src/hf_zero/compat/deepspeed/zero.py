@@ -26,7 +26,7 @@ from hf_zero.config.live import live_zero3_config, restore_live_zero3_config, se
 _REFUSED_INIT_ARGUMENTS = {
     "data_parallel_group": "hf_zero shards over the default group's ranks",
     "mpu": "hf_zero has no model-parallel unit",
-    "zero_param_parallel_group": "hpZ / ZeRO++ secondary partitions are not supported yet",
+    "zero_param_parallel_group": "set zero_hpz_partition_size in the config instead (hpZ groups are made from it)",
     "sequence_data_parallel_group": "set sequence_parallel_size in the config instead",
     "param_swapper": "NVMe offload is the config's offload_param section",
 }

@@ -522,10 +522,13 @@ class UnitProtocol:
                 self.buffers.release_idle(keep=self.backward_sizes_ahead[self.backward_position[unit.index]])
 
     def release_all(self) -> None:
-        """Free every gathered stage-3 unit (before an optimizer step; see [Note: reuse distance])."""
+        """Free every gathered stage-3 unit and drop its secondary shards (before an optimizer
+        step; see [Note: reuse distance] and [Note: secondary shards])."""
         if self.policy.shards_params:
             for unit in self.units:
                 unit.reshard()
+                for group in unit.groups:
+                    group.storage.drop_secondary()
             self.read_for_backward.clear()
             self.read_without_grad.clear()
 

@@ -24,6 +24,22 @@ before the full buffer goes. Reads and writes of the shard meanwhile (a checkpoi
 ``gathered_parameters`` modifier) reach the chunk. Only a shard on the compute device in the
 compute dtype is lent, and not under ``offload_optimizer``: its step writes the shards from a
 worker thread while the backward runs ([Note: overlapped offload step]).
+
+[Note: secondary shards]
+With ``zero_hpz_partition_size`` P (DeepSpeed ZeRO++'s hpZ) a gather over the whole shard group
+leaves, besides the full buffer, a *secondary shard*: this rank's 1/P of the gathered buffer,
+split over the P ranks of its node group ([Note: node groups for hpZ] in hf_zero.comm.collectives),
+kept in the compute dtype after the buffer is freed. Every later gather while the shards do not
+change (the backward's, a recomputed forward's, the next micro-step's forward) is an all-gather
+of the secondary shards over those P ranks only, so it never leaves the node. The values are the
+buffer's as it was gathered (rounded too, when that gather came over the int8 wire of [Note:
+quantized weight gathers], so the backward sees the weights the forward saw); an exact gather
+does not use a rounded secondary. Anything that changes the shards drops it first: the optimizer
+step (before which every unit is freed), ``write_shard`` (a loaded checkpoint, a modifier), and
+the next gather over the shard group makes it again. It costs 1/P of the group in the compute
+dtype per rank for as long as it lives (``memory_report()['secondary_params']``); only a shard
+kept on the device has one (offload_param refuses the key: it would put back on the device what
+the offload takes off).
 """
 
 from __future__ import annotations
@@ -100,6 +116,11 @@ class ParamStorage:
         self._lend_shard = lend_shard and sharded_between_uses and self.wire is None
         self._received: torch.Tensor | None = None  # a gather's wire payloads, until they are decoded
         self.rounded = False  # the full buffer holds values that came over the wire rounded
+        # [Note: secondary shards]: kept after a gather over the shard group, with whether its
+        # values came over the wire rounded; None while there is none.
+        self._keeps_secondary = sharded_between_uses and comm.node_size > 1
+        self.secondary: torch.Tensor | None = None
+        self._secondary_rounded = False
         lo, hi = shard_range
         lazy = source is not None and any(p.is_meta for p in params)
         if lazy and sharded_between_uses:
@@ -198,7 +219,13 @@ class ParamStorage:
         """New values for elements [start, start + values.numel()) of this rank's compute shard
         (the optimizer's update, a loaded checkpoint): into ``shard``, or into its file under
         NVMe parameter offload."""
+        self.drop_secondary()
         self.store.write(values, start)
+
+    def drop_secondary(self) -> None:
+        """The shards are about to change: the next gather goes over the shard group ([Note:
+        secondary shards])."""
+        self.secondary = None
 
     @property
     def lends_shard(self) -> bool:
@@ -246,6 +273,13 @@ class ParamStorage:
         if not self.buffers.acquire(self.full):
             raise RuntimeError(f"{self.label}: its storage is {self.state.value} but the full buffer already "
                                "has memory; only ParamStorage.free() may take it away")
+        if self.secondary is not None and not (exact and self._secondary_rounded):
+            # Inside the node, from the secondary shards ([Note: secondary shards]).
+            self.state = StorageState.GATHERING
+            self.rounded = self._secondary_rounded
+            self._pending_gather = self.comm.all_gather_into(self.full, self.secondary, label=f"{self.label}.node",
+                                                             async_op=async_op, within_node=True)
+            return
         shard, copied = self.store.gather_input(self.full.device, reclaim=self.wait_unshard)
         if self.wire is not None and not exact:
             # The shard goes out encoded, and finish_gather decodes what arrives into the full
@@ -281,6 +315,9 @@ class ParamStorage:
             self._received = None
         self.state = StorageState.GATHERED
         self.store.gather_done()
+        if self._keeps_secondary and self.secondary is None and isinstance(self.store, DeviceShard):
+            self.secondary = self.full.view(self.comm.node_size, -1)[self.comm.node_rank].clone()
+            self._secondary_rounded = self.rounded
         if self.lends_shard:
             self.store.lend(self._own_chunk())  # type: ignore[attr-defined]
         # Readable only now: while a gather is in flight the parameters keep their guard, so
