@@ -53,12 +53,10 @@ def _batch(step: int, rank: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids}
 
 
-def _train(quantized: bool, **zero: Any) -> list[float]:
-    import hf_zero
-
-    engine, *_ = hf_zero.initialize(model=_model(), config=_config(quantized, **zero))
+def train_losses(engine: Any, micro_steps: int) -> list[float]:
+    """Each micro-step's loss, averaged over the ranks, training on ``_batch``."""
     losses = []
-    for step in range(STEPS):
+    for step in range(micro_steps):
         loss = engine(**_batch(step, engine.rank)).loss
         engine.backward(loss)
         engine.step()
@@ -66,6 +64,13 @@ def _train(quantized: bool, **zero: Any) -> list[float]:
         torch.distributed.all_reduce(mean)
         losses.append(mean.item() / WORLD)
     return losses
+
+
+def _train(quantized: bool, **zero: Any) -> list[float]:
+    import hf_zero
+
+    engine, *_ = hf_zero.initialize(model=_model(), config=_config(quantized, **zero))
+    return train_losses(engine, STEPS)
 
 
 def _q_proj_group(engine: Any) -> tuple[Any, Any]:

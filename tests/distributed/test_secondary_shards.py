@@ -24,8 +24,7 @@ import pytest
 import torch
 
 from tests.distributed.launch import run_distributed
-from tests.distributed.test_quantized_gathers import ROWS_PER_RANK, WORLD, _model
-from tests.tiny_models import ACTIVE_VOCAB, learnable_batch
+from tests.distributed.test_quantized_gathers import ROWS_PER_RANK, WORLD, _batch, _model, train_losses
 
 STEPS = 60
 NODE = 2
@@ -41,23 +40,11 @@ def _config(hpz: int, gas: int = 1, **zero: Any) -> dict[str, Any]:
     }
 
 
-def _batch(step: int, rank: int) -> dict[str, torch.Tensor]:
-    ids = learnable_batch(step, WORLD * ROWS_PER_RANK)[rank * ROWS_PER_RANK:(rank + 1) * ROWS_PER_RANK]
-    return {"input_ids": ids, "labels": ids}
-
-
 def _train(hpz: int, steps: int = STEPS, gas: int = 1, **zero: Any) -> dict[str, Any]:
     import hf_zero
 
     engine, *_ = hf_zero.initialize(model=_model(), config=_config(hpz, gas, **zero))
-    losses = []
-    for step in range(steps * gas):
-        loss = engine(**_batch(step, engine.rank)).loss
-        engine.backward(loss)
-        engine.step()
-        mean = loss.detach().float().clone()
-        torch.distributed.all_reduce(mean)
-        losses.append(mean.item() / WORLD)
+    losses = train_losses(engine, steps * gas)
     with engine.gathered_parameters():
         params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
     return {"losses": losses, "params": params}
