@@ -4,7 +4,8 @@ hf_zero stages 1, 2 and 3 with a save_state at step 3, then each stage resumed f
 
 Usage: hf-zero launch --config_file YAML -m tests.integration.accelerate_driver PLAN.json (the
 yaml's hf_zero section configures the stage-3 run through the environment).
-PLAN: {"model_dir", "out", "stages": [...], "configs": {stage: path}}; rank 0 writes PLAN["out"].
+PLAN: {"model_dir", "out", "stages": [...], "configs": {stage: path}, "zeropp_config": path}; rank 0
+writes PLAN["out"].
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ def main(plan_path: str) -> None:
         results[f"z{stage}-resumed"] = example.train(args(f"z{stage}-resumed", "--resume_from", state), plugin)
         del plugin
         gc.collect()
+    if plan.get("zeropp_config"):  # ZeRO++'s keys through an explicit plugin, no resume
+        plugin = HfZeroPlugin(config=plan["zeropp_config"], gradient_clipping=0.5)
+        results["z3-zeropp"] = example.train(args("z3-zeropp"), plugin)
     if int(os.environ.get("RANK", "0")) == 0:
         Path(plan["out"]).write_text(json.dumps(results))
 
