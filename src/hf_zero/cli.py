@@ -268,7 +268,8 @@ def _estimate(args: argparse.Namespace, rest: list[str]) -> int:
     from hf_zero.estimator import WorkingSettings, describe, estimate_model_states, format_table, meta_model
 
     world = args.gpus_per_node * args.nodes
-    for flag, given in (("--simulate-rank", args.simulate_rank is not None), ("--quantized-weights", args.quantized_weights)):
+    for flag, given in (("--simulate-rank", args.simulate_rank is not None), ("--quantized-weights", args.quantized_weights),
+                        ("--quantized-gradients", args.quantized_gradients)):
         if given and not args.simulate:
             print(f"hf-zero estimate: {flag} needs --simulate", file=sys.stderr)
             return 2
@@ -302,6 +303,7 @@ def _estimate(args: argparse.Namespace, rest: list[str]) -> int:
             working=WorkingSettings(args.reduce_bucket_size, args.max_reuse_distance, args.max_live_parameters,
                                     args.prefetch_bucket_size), shard_group_size=args.shard_group_size,
             activations=None if found is None else found.by_unit, secondary_partition_size=args.hpz_partition_size,
+            quantized_weights=args.quantized_weights,
         )
 
     estimates = states(args.stages)
@@ -396,7 +398,8 @@ def _simulate(args: argparse.Namespace, model: Any, row: Any) -> int:
             "max_live_parameters": args.max_live_parameters, "prefetch_bucket_size": args.prefetch_bucket_size,
             "seq": 16 if args.seq is None else args.seq, "micro_batch": args.micro_batch, "shard_group_size": args.shard_group_size,
             "gradient_checkpointing": args.gradient_checkpointing, "quantized_weights": args.quantized_weights,
-            "gpus_per_node": args.gpus_per_node, "hpz_partition_size": args.hpz_partition_size}
+            "gpus_per_node": args.gpus_per_node, "hpz_partition_size": args.hpz_partition_size,
+            "quantized_gradients": args.quantized_gradients}
     try:
         result = simulate.run_rank_subprocess(spec, lambda line: print(f"  {line} ...", flush=True))
     except RuntimeError as error:
@@ -516,6 +519,9 @@ def _add_export_and_estimate(sub: argparse._SubParsersAction) -> None:
                           "ranks, usually --gpus-per-node; their memory is in the stage-3 rows' +working")
     estimate.add_argument("--quantized-weights", action="store_true",
                           help="with --simulate: zero_quantized_weights (ZeRO++ qwZ), the stage-3 gathers in int8 blocks")
+    estimate.add_argument("--quantized-gradients", action="store_true",
+                          help="with --simulate: zero_quantized_gradients (ZeRO++ qgZ), the gradient reduce-scatters "
+                          "in 4-bit blocks, inside each node first, then across")
     estimate.add_argument("--simulate", action="store_true",
                           help="also measure one rank of this world: build the model under a live stage-3 config, "
                           "initialize and run one forward+backward+step on this CPU with torch's fake process group "

@@ -82,6 +82,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
+from hf_zero.comm.block_wire import QWZ_BLOCK
 from hf_zero.config.live import live_zero3_config
 from hf_zero.engine.schedule.buckets import IN_PLACE_NUMEL
 from hf_zero.engine.policy import BUCKETS_IN_FLIGHT
@@ -390,7 +391,8 @@ def _working_bytes(groups: list[GroupStats], stage: int, compute_bytes: int,
 def _estimate(model: nn.Module, world: int, gpus_per_node: int, stage: int, compute_bytes: int,
               threshold: int, wrap_modules: Sequence[str] | None, offload_optimizer: bool,
               offload_param: bool, working: WorkingSettings, shard_size: int,
-              activations: Mapping[tuple[str, str], int] | None = None, secondary_size: int = 1) -> StateEstimate:
+              activations: Mapping[tuple[str, str], int] | None = None, secondary_size: int = 1,
+              secondary_element_bytes: float = 0.0) -> StateEstimate:
     groups = group_stats(model, shard_size, stage, threshold, wrap_modules)
     mem = _state_bytes(groups, stage, compute_bytes)
     device, host = sum(mem.values()), 0
@@ -402,9 +404,10 @@ def _estimate(model: nn.Module, world: int, gpus_per_node: int, stage: int, comp
         sharded = sum(g.shard_numel for g in groups if not g.persistent) * compute_bytes
         host += sharded
         device -= sharded
-    # hpZ's secondary shards ([Note: secondary shards]): 1/P of every sharded group, from the
-    # forward to the step, so working memory; offload_param refuses the key.
-    secondary = (compute_bytes * sum(g.shard_numel for g in groups if not g.persistent) * shard_size // secondary_size
+    # hpZ's secondary shards ([Note: secondary shards]): 1/P of every sharded group at the
+    # gather's width, from the forward to the step, so working memory; offload_param refuses the key.
+    secondary = (round(secondary_element_bytes * sum(g.shard_numel for g in groups if not g.persistent)
+                       * shard_size / secondary_size)
                  if stage == 3 and secondary_size > 1 and not offload_param else 0)
     both = None if activations is None else _working_and_activations(groups, stage, compute_bytes, working, activations)
     return StateEstimate(stage, offload_optimizer, offload_param, world, gpus_per_node, device,
@@ -424,6 +427,7 @@ def estimate_model_states(
     shard_group_size: int | None = None,
     activations: Mapping[tuple[str, str], int] | None = None,
     secondary_partition_size: int = 1,
+    quantized_weights: bool = False,
 ) -> list[StateEstimate]:
     """Per-rank device and host bytes for model states under each stage in ``stages``, without
     offload, with ``offload_optimizer=cpu`` (stages 1-3) and with both offloads (stage 3); see
@@ -434,7 +438,8 @@ def estimate_model_states(
     that many ranks, not over the world. ``activations``: ``ActivationEstimate.by_unit``
     (hf_zero/activations.py), which fills each row's ``working_and_activations``.
     ``secondary_partition_size``: ``zero_hpz_partition_size``, whose secondary shards the stage-3
-    rows without offload_param add to the working memory.
+    rows without offload_param add to the working memory, in the compute dtype, or with
+    ``quantized_weights`` (``zero_quantized_weights``) as int8 blocks.
     """
     if num_gpus_per_node < 1 or num_nodes < 1:
         raise ValueError(f"num_gpus_per_node and num_nodes must be >= 1, got {num_gpus_per_node}, {num_nodes}")
@@ -447,13 +452,14 @@ def estimate_model_states(
     if world % secondary_size:
         raise ValueError(f"secondary_partition_size {secondary_partition_size} does not divide the world size {world}")
     compute_bytes = _compute_bytes(dtype)
+    secondary_bytes = 1 + 4 / QWZ_BLOCK if quantized_weights else float(compute_bytes)
     estimates = []
     for stage in stages:
         choices = [(False, False)] + ([(True, False)] if stage > 0 else []) + ([(True, True)] if stage == 3 else [])
         for offload_optimizer, offload_param in choices:
             estimates.append(_estimate(module, world, num_gpus_per_node, stage, compute_bytes,
                                        persistence_threshold, wrap_modules, offload_optimizer, offload_param,
-                                       working, shard_size, activations, secondary_size))
+                                       working, shard_size, activations, secondary_size, secondary_bytes))
     return estimates
 
 

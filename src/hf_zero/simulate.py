@@ -129,7 +129,8 @@ def live_config(spec: dict[str, Any]) -> dict[str, Any]:
             "stage3_prefetch_bucket_size": spec["prefetch_bucket_size"],
             "mics_shard_size": spec.get("shard_group_size") or -1,
             "zero_quantized_weights": bool(spec.get("quantized_weights")),
-            "zero_hpz_partition_size": spec.get("hpz_partition_size") or 1}
+            "zero_hpz_partition_size": spec.get("hpz_partition_size") or 1,
+            "zero_quantized_gradients": bool(spec.get("quantized_gradients"))}
     config: dict[str, Any] = {"train_micro_batch_size_per_gpu": spec["micro_batch"],
                               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": zero}
     if spec["dtype"] != "fp32":

@@ -11,7 +11,9 @@ With ``stage3_max_reuse_distance: 0`` every unit is gathered again for its backw
   checkpoint resumes without the key to the same parameters.
 - ``memory_report()['secondary_params']`` counts them (1/2 of every sharded group's 16-bit
   weights) until the optimizer step drops them.
-- With ``zero_quantized_weights`` too, the loss ends within 2% of the plain run's.
+- With ``zero_quantized_weights`` too, the secondary shards keep the int8 payloads: half the
+  memory, the node gathers half the bytes, and the run equals the one with qwZ alone bit for bit
+  (the backward sees the weights the forward saw); its loss ends within 2% of the plain run's.
 - A partition size that does not divide the world is refused by name.
 """
 
@@ -50,11 +52,11 @@ def _train(hpz: int, steps: int = STEPS, gas: int = 1, **zero: Any) -> dict[str,
     return {"losses": losses, "params": params}
 
 
-def _one_step(hpz: int, tmp: str) -> dict[str, Any]:
+def _one_step(hpz: int, tmp: str, **zero: Any) -> dict[str, Any]:
     """The gathers of one step by where they go, the secondary shards' memory, a resume."""
     import hf_zero
 
-    engine, *_ = hf_zero.initialize(model=_model(), config=_config(hpz))
+    engine, *_ = hf_zero.initialize(model=_model(), config=_config(hpz, **zero))
     engine.reset_comm_stats()
     loss = engine(**_batch(0, engine.rank)).loss
     forward_bytes = engine.comm_stats()["all_gather"]["bytes"]
@@ -93,12 +95,15 @@ def _refused() -> str:
 def _worker(tmp: str) -> dict[str, Any]:
     os.environ["LOCAL_WORLD_SIZE"] = str(NODE)  # 2 nodes of 2, as torchrun --nproc-per-node 2 on 2 nodes
     runs = {"plain": _train(1), "hpz": _train(NODE), "hpz_qwz": _train(NODE, zero_quantized_weights=True),
+            "qwz": _train(1, zero_quantized_weights=True),
             "plain_gas": _train(1, steps=4, gas=2), "hpz_gas": _train(NODE, steps=4, gas=2)}
     out: dict[str, Any] = {name: run["losses"] for name, run in runs.items()}
-    for name, baseline in (("hpz", "plain"), ("hpz_gas", "plain_gas")):
+    for name, baseline in (("hpz", "plain"), ("hpz_gas", "plain_gas"), ("hpz_qwz", "qwz")):
         out[f"{name}_params_equal"] = all(torch.equal(runs[name]["params"][n], p)
                                           for n, p in runs[baseline]["params"].items())
-    return {"step_plain": _one_step(1, tmp), "step_hpz": _one_step(NODE, tmp), "refused": _refused(), **out}
+    return {"step_plain": _one_step(1, tmp), "step_hpz": _one_step(NODE, tmp),
+            "step_hpz_qwz": _one_step(NODE, os.path.join(tmp, "qwz"), zero_quantized_weights=True),
+            "refused": _refused(), **out}
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +147,17 @@ def test_with_quantized_weights_training_ends_within_two_percent(runs):
     plain, both = runs["plain"], runs["hpz_qwz"]
     assert abs(tail(both) - tail(plain)) / tail(plain) < 0.02, (tail(both), tail(plain))
     assert both != plain, "the quantized run took no different values"
+    assert both == runs["qwz"] and runs["hpz_qwz_params_equal"] is True
+
+
+def test_with_quantized_weights_the_secondary_shards_keep_int8_payloads(runs):
+    both, hpz = runs["step_hpz_qwz"], runs["step_hpz"]
+    # int8 and a 4-byte scale per 512 in place of bf16: a little over half, in memory and on the wire.
+    assert 0.5 < both["secondary_bytes"] / hpz["secondary_bytes"] < 0.52, (both["secondary_bytes"], hpz)
+    node_bytes = [run["gathers"]["bytes"] - run["gathers"]["forward_bytes"] for run in (both, hpz)]
+    assert 0.5 < node_bytes[0] / node_bytes[1] < 0.52, node_bytes
+    assert both["gathers"]["bytes_between_nodes"] == both["gathers"]["forward_bytes"] // 2
+    assert both["resumed_equal"] is True
 
 
 def test_checkpoint_resumes_without_the_key(runs):

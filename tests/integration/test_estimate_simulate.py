@@ -160,12 +160,16 @@ def test_zero_plus_plus_keys_are_simulated_with_their_traffic(model_dir):
     bytes a parameter instead of 2), the bf16 reduce-scatter (2 bytes) is unchanged, so the step
     moves (1.008 + 2) / (2 + 2) = 0.752 of the plain step's bytes. With ``--max-reuse-distance 0``
     the backward gathers again; ``--hpz-partition-size 8`` (hpZ) moves the same bytes, but those
-    extra gathers stay inside the node, where without it 56/64 of them cross. Either flag without
-    --simulate, or hpZ with --shard-group-size, is a one-line error."""
+    extra gathers stay inside the node, where without it 56/64 of them cross. With all three keys
+    (``--quantized-gradients``, qgZ, too: the reduce-scatter in 4-bit blocks, 1/8 of it across
+    nodes) at most 0.3x of the plain step's bytes cross between nodes (the issue's target; 0.25x
+    measured). A quantization flag without --simulate, or hpZ with --shard-group-size, is a
+    one-line error."""
     runs = {}
     again = ["--max-reuse-distance", "0"]
     for name, flags in (("plain", []), ("qwz", ["--quantized-weights"]), ("again", again),
-                        ("hpz", [*again, "--hpz-partition-size", "8"])):
+                        ("hpz", [*again, "--hpz-partition-size", "8"]),
+                        ("all", ["--quantized-weights", "--hpz-partition-size", "8", "--quantized-gradients"])):
         done = subprocess.run([*_hf_zero(), "estimate", "--model", model_dir, "--gpus-per-node", "8", "--nodes", "8",
                                "--stages", "3", "--dtype", "bf16", "--simulate", *flags],
                               capture_output=True, text=True, timeout=300)
@@ -178,7 +182,10 @@ def test_zero_plus_plus_keys_are_simulated_with_their_traffic(model_dir):
     assert regathered > 0.05 * plain["total"], runs
     assert abs(hpz["total"] - again_["total"]) < 0.001 * plain["total"], runs
     assert abs((again_["between"] - hpz["between"]) - 56 / 64 * regathered) < 0.01 * regathered, runs
+    # qwZ alone leaves 0.73x: most of what crosses is then the bf16 reduce-scatter, which qgZ shrinks.
+    assert runs["all"]["between"] <= 0.3 * plain["between"], runs
     for flags, message in ((["--quantized-weights"], "--quantized-weights needs --simulate"),
+                           (["--quantized-gradients"], "--quantized-gradients needs --simulate"),
                            (["--hpz-partition-size", "8", "--shard-group-size", "8"], "without --shard-group-size")):
         alone = subprocess.run([*_hf_zero(), "estimate", "--model", model_dir, "--gpus-per-node", "8", "--nodes", "8",
                                 *flags], capture_output=True, text=True, timeout=120)

@@ -21,6 +21,8 @@ CPU_BACKENDS = {
     "nonfinite_and_sqnorm": "reference",
     "quantize_int8_blocks": "reference",
     "dequantize_int8_blocks": "reference",
+    "quantize_int4_blocks": "reference",
+    "dequantize_int4_blocks": "reference",
 }
 
 

@@ -94,24 +94,26 @@ def test_norm_compiles(aligned: bool) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("name", ["_quantize_kernel", "_dequantize_kernel"])
+@pytest.mark.parametrize("name", ["_quantize_kernel", "_dequantize_kernel", "_quantize_int4_kernel",
+                                  "_dequantize_int4_kernel"])
 def test_quantization_compiles_with_correct_rounding(name: str, dtype: str) -> None:
-    """[Note: blockwise int8]: the scale and the inverse are correctly rounded divisions, so the
-    GPU gives the reference's codes; no fused multiply-add."""
+    """[Note: blockwise int8], [Note: blockwise int4]: the scale and the inverse are correctly
+    rounded divisions, so the GPU gives the reference's codes; no fused multiply-add."""
     import triton.language as tl
 
     from hf_zero.kernels import triton_quant
 
+    codes = ("packed", "*u8") if "int4" in name else ("codes", "*i8")
     strides = {"numel": "i32"}
-    if name == "_quantize_kernel":
-        signature = {"values_ptr": f"*{dtype}", "codes_ptr": "*i8", "scales_ptr": "*fp32", **strides,
-                     "values_row_stride": "i64", "codes_row_stride": "i64", "scales_row_stride": "i64"}
+    if name.startswith("_quantize"):
+        signature = {"values_ptr": f"*{dtype}", f"{codes[0]}_ptr": codes[1], "scales_ptr": "*fp32", **strides,
+                     "values_row_stride": "i64", f"{codes[0]}_row_stride": "i64", "scales_row_stride": "i64"}
         constexprs: dict[str, object] = {"BLOCK": 512}
     else:
-        signature = {"codes_ptr": "*i8", "scales_ptr": "*fp32", "out_ptr": f"*{dtype}", **strides,
-                     "codes_row_stride": "i64", "scales_row_stride": "i64", "out_row_stride": "i64"}
+        signature = {f"{codes[0]}_ptr": codes[1], "scales_ptr": "*fp32", "out_ptr": f"*{dtype}", **strides,
+                     f"{codes[0]}_row_stride": "i64", "scales_row_stride": "i64", "out_row_stride": "i64"}
         constexprs = {"OUT_DTYPE": {"fp32": tl.float32, "bf16": tl.bfloat16, "fp16": tl.float16}[dtype], "BLOCK": 512}
     ptx = _compile_ptx(getattr(triton_quant, name), signature, constexprs, [])
     assert "fma" not in ptx, "contraction would change the rounding"
-    if name == "_quantize_kernel":
+    if name.startswith("_quantize"):
         assert ptx.count("div.rn.f32") >= 2 and "div.full" not in ptx and "div.approx" not in ptx

@@ -171,7 +171,6 @@ def test_partial_optimizer_offload_needs_device_cpu(device: str) -> None:
     [
         ({"zero_optimization": {"stage": 2, "cpu_offload": True}}, "zero_optimization.cpu_offload"),
         ({"zero_optimization": {"stage": 3, "zero_quantized_nontrainable_weights": True}}, "zero_optimization.zero_quantized_nontrainable_weights"),
-        ({"zero_optimization": {"stage": 3, "zero_quantized_gradients": True}}, "zero_optimization.zero_quantized_gradients"),
         ({"zero_optimization": {"stage": 3, "zenflow": {"topk_ratio": 0.1}}}, "zero_optimization.zenflow"),
         ({"zero_optimization": {"stage": 3, "stage3_module_granularity_threshold": 100}}, "zero_optimization.stage3_module_granularity_threshold"),
         ({"zero_optimization": {"stage": 3, "offload_optimizer": {"super_offload": True}}}, "zero_optimization.offload_optimizer.super_offload"),
@@ -305,7 +304,7 @@ def test_every_problem_is_listed_in_one_error() -> None:
             "stage": 3,
             "overlap_com": True,  # nested typo
             "reduce_bucket_size": -5,  # out of range
-            "zero_quantized_gradients": True,  # not implemented
+            "zero_quantized_nontrainable_weights": True,  # not implemented
             "offload_param": {"device": "nvme"},  # missing nvme_path
         },
         "fp16": {"enabled": True},
@@ -320,7 +319,7 @@ def test_every_problem_is_listed_in_one_error() -> None:
         "gradient_clipping",
         "zero_optimization.overlap_com",
         "zero_optimization.reduce_bucket_size",
-        "zero_optimization.zero_quantized_gradients",
+        "zero_optimization.zero_quantized_nontrainable_weights",
         "optimizer.params.max_grad_norm",
         "bf16.enabled",
         "zero_optimization.offload_param.nvme_path",
@@ -390,3 +389,18 @@ def test_secondary_shards_refused_where_they_cannot_help(zero: dict, rule_part: 
 def test_secondary_shards_at_stage_3_are_accepted(size: int) -> None:
     config = {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": size, "zero_quantized_weights": True}}
     assert HfZeroConfig(config).zero.zero_hpz_partition_size == size
+
+
+@pytest.mark.parametrize(("zero", "rule_part"), [
+    ({"stage": 0}, "stage 0 all-reduces the gradients"),
+    ({"stage": 2, "mics_shard_size": 4}, "only the replicas' all-reduce crosses nodes"),
+])
+def test_quantized_gradients_refused_where_there_is_no_reduce_scatter_to_quantize(zero: dict, rule_part: str) -> None:
+    (problem,) = _problems({"zero_optimization": {**zero, "zero_quantized_gradients": True}})
+    assert problem.path == "zero_optimization.zero_quantized_gradients" and rule_part in problem.rule
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_quantized_gradients_at_stages_1_to_3_are_accepted(stage: int) -> None:
+    config = {"zero_optimization": {"stage": stage, "zero_quantized_gradients": True}}
+    assert HfZeroConfig(config).zero.zero_quantized_gradients

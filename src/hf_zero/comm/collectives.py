@@ -27,6 +27,8 @@ from torch.autograd.profiler import record_function
 
 from hf_zero.comm.exchange import ExchangeAllGather, ExchangeReduceScatter
 from hf_zero.comm.process_group import leave_gloo_groups_at_exit
+from hf_zero.comm.quantized_reduce import ReductionGroups, quantized_reduce_scatter, reduction_groups
+from hf_zero.comm.quantized_reduce import release_groups as release_reduction_groups
 from hf_zero.execution import (
     AsyncOrderError, Completion, WrongDeviceError, check_launch, execution_for, late_completion, rank_device,
 )
@@ -187,6 +189,7 @@ def _release_groups() -> None:
     _MESHES.clear()
     _HOST_GROUPS.clear()
     _NODE_GROUPS.clear()
+    release_reduction_groups()
 
 
 class CollectiveError(RuntimeError):
@@ -292,11 +295,13 @@ class Communicator:
     """Collectives over one process group, counted and labelled (see [Note: counting])."""
 
     def __init__(self, group: dist.ProcessGroup | None = None, timeout_s: float | None = None,
-                 shard_size: int | None = None, node_size: int | None = None) -> None:
+                 shard_size: int | None = None, node_size: int | None = None,
+                 quantize_gradients: bool = False) -> None:
         """``group``: every rank of the run; ``shard_size``: shard over groups of that many ranks
         and replicate across them ([Note: hybrid sharding]); None shards over all of ``group``.
         ``node_size``: gathers may also go over groups of that many consecutive ranks of the
-        shard group ([Note: node groups for hpZ])."""
+        shard group ([Note: node groups for hpZ]). ``quantize_gradients``: reduce-scatters go as
+        int8 blocks, inside each node first ([Note: quantized gradient reduction])."""
         self.initialized = dist.is_available() and dist.is_initialized()
         self.group = group  # agreement, phases, broadcasts, saves: every rank
         self.global_rank = dist.get_rank(group) if self.initialized else 0
@@ -341,6 +346,14 @@ class Communicator:
         self.timeout_s = timeout_s  # the collective timeout hf_zero set, if it did (see [Note: collective errors])
         self.where: Callable[[], str] = lambda: "initialize"  # the engine points this at its counters
         self._reduce_scatter_by_exchange = self.world_size > 1 and dist.get_backend(self.grad_group) == "gloo"
+        self.quantized_reduction: ReductionGroups | None = None
+        if quantize_gradients and self.world_size > 1:
+            if self.replica_group is not None:
+                raise ValueError("hf_zero: zero_quantized_gradients with mics_shard_size: not supported (the config "
+                                 "check refuses it)")
+            local = self._ranks_per_node if self.world_size % self._ranks_per_node == 0 else self.world_size
+            self.quantized_reduction = reduction_groups(self.shard_group, _grad_group_key(self.shard_group), local,
+                                                        timeout_s)
         self._all_gather_by_exchange = self.world_size > 1 and dist.get_backend(self.shard_group) == "gloo"
 
     @contextmanager
@@ -455,6 +468,8 @@ class Communicator:
         where the backend has it) of every rank's ``full``. Runs on the reduce-scatter stream
         ([Note: streams and events] in hf_zero.execution)."""
         self._check(label, shard, full)
+        if self.quantized_reduction is not None and full.is_floating_point():
+            return self._quantized_reduce_scatter(shard, full, label, async_op, op)
         exchange = self._reduce_scatter_by_exchange and full.device.type == "cpu"
         if exchange and op != dist.ReduceOp.SUM:
             raise NotImplementedError(
@@ -476,6 +491,21 @@ class Communicator:
                 return self._reduce_scatter(out, inp, op, exchange, async_)
 
         return self._run("reduce_scatter", "reduce-scatter", label, shard, full, issue, async_op)
+
+    def _quantized_reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, label: str, async_op: bool,
+                                  op: dist.ReduceOp.RedOpType) -> Handle:
+        """[Note: quantized gradient reduction]: complete when it returns; each all-to-all is
+        counted with its int8 payload."""
+        groups = self.quantized_reduction
+        assert groups is not None
+        divisor = self.world_size if op == dist.ReduceOp.AVG else 1
+
+        def issue(out: torch.Tensor, inp: torch.Tensor, async_: bool) -> object:
+            with record_function(f"hf_zero::quantized_reduce_scatter::{label}"):
+                quantized_reduce_scatter(out, inp, groups, label, self._count, divisor)
+            return None
+
+        return self._run("reduce_scatter", "quantized reduce-scatter", label, shard, full, issue, async_op)
 
     def _reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: dist.ReduceOp.RedOpType,
                         exchange: bool, async_: bool) -> object:

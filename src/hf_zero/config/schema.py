@@ -201,7 +201,8 @@ class ZeroConfig(_Typed):
     zero_quantized_nontrainable_weights: bool
     """ZeRO++ MixZ++; must stay False (not implemented). Default False."""
     zero_quantized_gradients: bool
-    """ZeRO++ qgZ; must stay False (not implemented). Default False."""
+    """ZeRO++ qgZ: gradient reduce-scatters in int8 blocks, inside the node first (stages 1-3).
+    Default False."""
     mics_shard_size: int
     """Hybrid sharding: model states are sharded over groups of this many consecutive ranks and
     replicated across groups (DeepSpeed's MiCS, FSDP2's HSDP). -1 (or <= 0): one group of all

@@ -348,6 +348,16 @@ def _check_shard_groups(root: dict[str, Any], problems: ProblemList) -> None:
         problems.add("zero_optimization.zero_quantized_weights", True,
                      f"ZeRO++ qwZ quantizes stage 3's parameter gathers; stage {stage} keeps every parameter "
                      "gathered and gathers none", "set zero_optimization.stage to 3, or remove zero_quantized_weights")
+    if zero.get("zero_quantized_gradients") is True:
+        if stage == 0:
+            problems.add("zero_optimization.zero_quantized_gradients", True,
+                         "ZeRO++ qgZ quantizes the gradient reduce-scatter; stage 0 all-reduces the gradients instead",
+                         "set zero_optimization.stage to 1, 2 or 3, or remove zero_quantized_gradients")
+        elif size is not None and size > 1:
+            problems.add("zero_optimization.zero_quantized_gradients", True,
+                         f"with mics_shard_size {size} the reduce-scatter stays inside the shard group and only the "
+                         "replicas' all-reduce crosses nodes, which qgZ does not quantize",
+                         "remove one: mics_shard_size, or zero_quantized_gradients")
     hpz = _int(zero.get("zero_hpz_partition_size", 1))
     if hpz is not None and hpz > 1:
         offload = zero.get("offload_param")

@@ -21,7 +21,7 @@ from hf_zero.config.errors import ConfigProblem, HfZeroConfigError
 from hf_zero.config.validate import AUTO, STILL_AUTO_RULE, config_warnings
 from hf_zero.engine.sharding.deferred_load import disarm_materialisation, find_source, initialise_new_adapters
 from hf_zero.engine.sharding.buffer_pool import BufferPool
-from hf_zero.engine.sharding.gather_wire import QWZ_BLOCK
+from hf_zero.comm.block_wire import QWZ_BLOCK
 from hf_zero.engine.engine import ZeroEngine
 from hf_zero.engine.lower_precision import lower_precision_params, resolve_module_classes, unmatched_classes
 from hf_zero.engine.policy import BUCKETS_IN_FLIGHT, ShardingPolicy
@@ -485,16 +485,20 @@ def _join_group(device: torch.device, config: Any) -> tuple[Communicator, Any, E
 def _shard_groups(comm: Communicator, resolved: HfZeroConfig) -> Communicator:
     """The communicator the units shard over: ``comm`` itself, or with ``mics_shard_size`` one
     over groups of that many ranks ([Note: hybrid sharding] in hf_zero.comm.collectives), or with
-    ``zero_hpz_partition_size`` one with node groups ([Note: node groups for hpZ]). Made after the
-    ranks agreed on the config: making the groups is collective."""
+    ``zero_hpz_partition_size`` one with node groups ([Note: node groups for hpZ]), or with
+    ``zero_quantized_gradients`` one that reduces in 4-bit blocks ([Note: quantized gradient reduction]).
+    Made after the ranks agreed on the config: making the groups is collective."""
     size = int(resolved.zero.mics_shard_size)
-    node = int(resolved.zero.zero_hpz_partition_size)  # stage 3 only: validate.py
-    if node > 1:
-        made = (Communicator(comm.group, timeout_s=comm.timeout_s, node_size=node)  # no mics_shard_size: validate.py
-                if node < comm.global_world_size else comm)
-        if comm.global_rank == 0:
-            _log_secondary_shards(node, comm.global_world_size)
-        return made
+    hpz = int(resolved.zero.zero_hpz_partition_size)  # stage 3 only: validate.py
+    quantize = bool(resolved.zero.zero_quantized_gradients)  # neither with mics_shard_size: validate.py
+    if comm.global_rank == 0:
+        if hpz > 1:
+            _log_secondary_shards(hpz, comm.global_world_size)
+        if quantize:
+            _log_quantized_gradients(comm.global_world_size)
+    node = hpz if 1 < hpz < comm.global_world_size else None
+    if node is not None or quantize:
+        return Communicator(comm.group, timeout_s=comm.timeout_s, node_size=node, quantize_gradients=quantize)
     if size <= 1 or size >= comm.global_world_size:
         return comm
     return Communicator(comm.group, timeout_s=comm.timeout_s, shard_size=size)
@@ -577,9 +581,20 @@ def _log_secondary_shards(size: int, world_size: int) -> None:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
     where = (f"all {world_size} ranks are on one node, so the gathers it keeps local were already (expect little "
              "speed-up)" if local >= world_size else "the backward's gathers no longer cross the network")
-    logger.info("hf_zero: zero_hpz_partition_size %d: after a gather over all ranks each keeps 1/%d of the unit's "
-                "16-bit weights, and the backward (and the next micro-step) gathers them within groups of %d ranks; "
-                "%s", size, size, size, where)
+    logger.info("hf_zero: zero_hpz_partition_size %d: after a gather over all ranks each keeps 1/%d of what it "
+                "received (16-bit weights, or int8 blocks under zero_quantized_weights), and the backward (and the "
+                "next micro-step) gathers them within groups of %d ranks; %s", size, size, size, where)
+
+
+def _log_quantized_gradients(world_size: int) -> None:
+    """What ``zero_quantized_gradients`` does here ([Note: quantized gradient reduction]), said once."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    where = (f"all {world_size} ranks are on one node, so it runs as one exchange over them and saves the node's own "
+             "links' bytes (expect little speed-up)" if local >= world_size or local <= 0 or world_size % local
+             else f"inside each node of {local} ranks first, then 1/{local} of the gradients across nodes")
+    logger.info("hf_zero: zero_quantized_gradients: gradient reduce-scatters send 4-bit codes with an fp32 scale per "
+                "%d elements (0.25x the bytes of bf16) and sum in fp32, %s; each addend is rounded to half a block "
+                "step (absmax / 14), twice", QWZ_BLOCK, where)
 
 
 def _log_quantized_gathers(world_size: int) -> None:

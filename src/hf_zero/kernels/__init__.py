@@ -1,5 +1,5 @@
 """The engine's hot loops: fused Adam/AdamW, reduce-scatter bucketing, non-finite check and norm,
-blockwise int8 quantization.
+blockwise int8 and int4 quantization.
 
 Layers, one way: ``validate`` (argument checks) <- ``reference`` (torch specification, also the
 fallback) <- ``cpu`` (torch fused CPU Adam) <- ``triton_*`` (kernel + launcher per op) <-
@@ -19,10 +19,12 @@ from hf_zero.kernels.dispatch import BACKENDS
 from hf_zero.kernels.dispatch import OPS
 from hf_zero.kernels.dispatch import add_scaled_
 from hf_zero.kernels.dispatch import backend_for
+from hf_zero.kernels.dispatch import dequantize_int4_blocks
 from hf_zero.kernels.dispatch import dequantize_int8_blocks
 from hf_zero.kernels.dispatch import fused_adam_
 from hf_zero.kernels.dispatch import nonfinite_and_sqnorm
 from hf_zero.kernels.dispatch import pack_for_reduce_scatter
+from hf_zero.kernels.dispatch import quantize_int4_blocks
 from hf_zero.kernels.dispatch import quantize_int8_blocks
 from hf_zero.kernels.dispatch import unpack_after_all_gather
 
@@ -31,10 +33,12 @@ __all__ = [
     "OPS",
     "add_scaled_",
     "backend_for",
+    "dequantize_int4_blocks",
     "dequantize_int8_blocks",
     "fused_adam_",
     "nonfinite_and_sqnorm",
     "pack_for_reduce_scatter",
+    "quantize_int4_blocks",
     "quantize_int8_blocks",
     "reference",
     "unpack_after_all_gather",

@@ -37,7 +37,7 @@ logger = logging.getLogger("hf_zero")
 
 BACKENDS = ("triton", "triton-interpret", "torch-fused-cpu", "reference")
 OPS = ("fused_adam_", "pack_for_reduce_scatter", "unpack_after_all_gather", "nonfinite_and_sqnorm",
-       "quantize_int8_blocks", "dequantize_int8_blocks")
+       "quantize_int8_blocks", "dequantize_int8_blocks", "quantize_int4_blocks", "dequantize_int4_blocks")
 
 
 def _env_flag(name: str) -> bool:
@@ -204,6 +204,29 @@ def dequantize_int8_blocks(codes: torch.Tensor, scales: torch.Tensor, out: torch
         reference.dequantize_int8_blocks(codes, scales, out, block)
     else:
         _TRITON["quant"].dequantize_int8_blocks_triton(codes, scales, out, block)
+
+
+@torch.no_grad()
+def quantize_int4_blocks(values: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, block: int) -> None:
+    """Rows of ``values`` to 4-bit codes, two a byte, and one fp32 scale per block; see
+    ``reference.quantize_int4_blocks`` ([Note: blockwise int4])."""
+    check_blockwise("values", values, packed, scales, block, bits=4)
+    _check_device(values, "quantize_int4_blocks")
+    if backend_for(values, "quantize_int4_blocks") == "reference":
+        reference.quantize_int4_blocks(values, packed, scales, block)
+    else:
+        _TRITON["quant"].quantize_int4_blocks_triton(values, packed, scales, block)
+
+
+@torch.no_grad()
+def dequantize_int4_blocks(packed: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, block: int) -> None:
+    """Codes times their block's scale into ``out``; see ``reference.dequantize_int4_blocks``."""
+    check_blockwise("out", out, packed, scales, block, bits=4)
+    _check_device(out, "dequantize_int4_blocks")
+    if backend_for(out, "dequantize_int4_blocks") == "reference":
+        reference.dequantize_int4_blocks(packed, scales, out, block)
+    else:
+        _TRITON["quant"].dequantize_int4_blocks_triton(packed, scales, out, block)
 
 
 def add_scaled_(dst: torch.Tensor, src: torch.Tensor, alpha: float = 1.0, *, dst_is_zero: bool = False) -> None:

@@ -185,19 +185,8 @@ def quantize_int8_blocks(values: torch.Tensor, codes: torch.Tensor, scales: torc
     """Rows of ``values`` [rows, n] to int8 ``codes`` [rows, n] and fp32 ``scales``
     [rows, ceil(n / block)] ([Note: blockwise int8])."""
     check_blockwise("values", values, codes, scales, block)
-    rows, numel = values.shape
-    if not numel:
-        return
-    blocks = scales.shape[1]
-    padded = torch.zeros(rows, blocks * block, dtype=torch.float32, device=values.device)
-    padded[:, :numel] = values
-    padded = padded.view(rows, blocks, block)
-    absmax = padded.abs().amax(dim=2)
-    scales.copy_(absmax / 127.0)
-    # A tensor numerator: ``127.0 / absmax`` is reciprocal-then-multiply in torch, two roundings.
-    inverse = torch.where(absmax > 0, torch.full_like(absmax, 127.0) / absmax, torch.zeros_like(absmax))
-    rounded = torch.floor(padded * inverse.unsqueeze(2) + 0.5).clamp_(-127, 127)
-    codes.copy_(rounded.view(rows, -1)[:, :numel].to(torch.int8))
+    if values.shape[1]:
+        codes.copy_(_block_codes(values, scales, block, 127).to(torch.int8))
 
 
 @torch.no_grad()
@@ -213,3 +202,67 @@ def dequantize_int8_blocks(codes: torch.Tensor, scales: torch.Tensor, out: torch
     for row in range(rows):
         widened = scales[row].repeat_interleave(block)[:numel]
         out[row].copy_(codes[row].to(torch.float32) * widened)
+
+
+# [Note: blockwise int4]
+# ZeRO++'s quantized gradient reduction (qgZ) sends 4-bit codes, as DeepSpeed's does: the same
+# blocks and rounding as [Note: blockwise int8] with 7 in place of 127 (scale = absmax / 7, code =
+# floor(x * 7 / absmax + 0.5) in [-7, 7]), stored as code + 8 in a nibble, two a byte: element
+# 2i in the low nibble of byte i, 2i + 1 in the high one; an odd row's last high nibble holds 8
+# (code 0). Every element is off by at most absmax / 14 of its own block.
+
+
+@torch.no_grad()
+def quantize_int4_blocks(values: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, block: int) -> None:
+    """Rows of ``values`` [rows, n] to 4-bit codes, two a byte in uint8 ``packed``
+    [rows, ceil(n / 2)], and fp32 ``scales`` [rows, ceil(n / block)] ([Note: blockwise int4])."""
+    check_blockwise("values", values, packed, scales, block, bits=4)
+    rows, numel = values.shape
+    if not numel:
+        return
+    nibbles = (_block_codes(values, scales, block, 7, pad_to=2) + 8).to(torch.uint8).view(rows, -1, 2)
+    packed.copy_(nibbles[:, :, 0] | (nibbles[:, :, 1] << 4))
+
+
+@torch.no_grad()
+def dequantize_int4_blocks(packed: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, block: int) -> None:
+    """Inverse of :func:`quantize_int4_blocks`: ``out`` [rows, n] = codes x their block's scale,
+    rounded once to ``out.dtype``; a row at a time, as :func:`dequantize_int8_blocks`."""
+    check_blockwise("out", out, packed, scales, block, bits=4)
+    rows, numel = out.shape
+    if not numel:
+        return
+    for row in range(rows):
+        nibbles = torch.stack((packed[row] & 15, packed[row] >> 4), dim=1).view(-1)[:numel]
+        widened = scales[row].repeat_interleave(block)[:numel]
+        out[row].copy_((nibbles.to(torch.float32) - 8.0) * widened)
+
+
+def _block_codes(values: torch.Tensor, scales: torch.Tensor, block: int, qmax: int, pad_to: int = 1) -> torch.Tensor:
+    """fp32 codes in [-qmax, qmax] of each row of ``values``, ``scales`` written (absmax / qmax per
+    block); the codes are cut to the row's length rounded up to ``pad_to``."""
+    rows, numel = values.shape
+    width = -(-numel // pad_to) * pad_to
+    codes = torch.empty(rows, width, dtype=torch.float32, device=values.device)
+    # A slice of blocks at a time: the fp32 temporaries are a few times QUANT_SLICE_NUMEL, not of
+    # the whole input (a reduce-scatter's is every rank's gradients of a unit).
+    step = max(block, QUANT_SLICE_NUMEL // block * block)
+    for row in range(rows):
+        for start in range(0, numel, step):
+            stop = min(start + step, numel)
+            first, blocks = start // block, -(-(stop - start) // block)
+            padded = torch.zeros(blocks * block, dtype=torch.float32, device=values.device)
+            padded[:stop - start] = values[row, start:stop]
+            padded = padded.view(blocks, block)
+            absmax = padded.abs().amax(dim=1)
+            scales[row, first:first + blocks] = absmax / float(qmax)
+            # A tensor numerator: ``qmax / absmax`` is reciprocal-then-multiply in torch, two roundings.
+            inverse = torch.where(absmax > 0, torch.full_like(absmax, float(qmax)) / absmax, torch.zeros_like(absmax))
+            rounded = torch.floor(padded * inverse.unsqueeze(1) + 0.5).clamp_(-qmax, qmax).view(-1)
+            end = width if stop == numel else stop
+            codes[row, start:end] = rounded[:end - start]
+    return codes
+
+
+# Elements of a row quantized at once by the reference (a multiple of any block up to it).
+QUANT_SLICE_NUMEL = 1 << 20

@@ -130,14 +130,19 @@ QUANT_VALUE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def check_blockwise(values_name: str, values: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-                    block: int) -> None:
-    """Int8 block quantization ([Note: blockwise int8] in reference): ``values`` and ``codes``
-    are [rows, n] (row-strided, unit stride inside a row), ``scales`` [rows, ceil(n / block)]
-    fp32, all on one device."""
+                    block: int, bits: int = 8) -> None:
+    """Block quantization ([Note: blockwise int8], [Note: blockwise int4] in reference): ``values``
+    [rows, n] and ``codes`` (int8 [rows, n], or for 4 bits uint8 [rows, ceil(n / 2)], two codes a
+    byte) row-strided with unit stride inside a row, ``scales`` [rows, ceil(n / block)] fp32, all
+    on one device."""
     if isinstance(block, bool) or not isinstance(block, int) or block < 1 or block & (block - 1):
         raise ValueError(f"block must be a power of two >= 1, found {block!r}")
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8, found {bits!r}")
+    if bits == 4 and block < 2:
+        raise ValueError(f"4-bit blocks pack two codes a byte: block must be at least 2, found {block}")
     _check_dtype(values_name, values, QUANT_VALUE_DTYPES)
-    _check_dtype("codes", codes, (torch.int8,))
+    _check_dtype("codes", codes, (torch.int8,) if bits == 8 else (torch.uint8,))
     _check_dtype("scales", scales, (STATE_DTYPE,))
     for name, tensor in ((values_name, values), ("codes", codes), ("scales", scales)):
         if tensor.dim() != 2 or (tensor.numel() and tensor.stride(1) != 1):
@@ -146,8 +151,10 @@ def check_blockwise(values_name: str, values: torch.Tensor, codes: torch.Tensor,
         if tensor.device != values.device:
             raise ValueError(f"{name} is on {tensor.device}, expected {values.device} (the device of {values_name})")
     rows, numel = values.shape
-    if codes.shape != values.shape:
-        raise ValueError(f"codes has shape {tuple(codes.shape)}, expected {tuple(values.shape)} (that of {values_name})")
+    code_shape = (rows, numel if bits == 8 else math.ceil(numel / 2))
+    if tuple(codes.shape) != code_shape:
+        raise ValueError(f"codes has shape {tuple(codes.shape)}, expected {code_shape} "
+                         f"({bits}-bit codes of {values_name} {tuple(values.shape)})")
     expected = (rows, math.ceil(numel / block))
     if tuple(scales.shape) != expected:
         raise ValueError(f"scales has shape {tuple(scales.shape)}, expected {expected}: one per block of {block}")

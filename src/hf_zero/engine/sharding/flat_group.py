@@ -15,7 +15,8 @@ from torch import nn
 
 from hf_zero.comm import Communicator
 from hf_zero.engine.sharding.buffer_pool import BufferPool
-from hf_zero.engine.sharding.gather_wire import CastWire, GatherWire, Int8BlockWire
+from hf_zero.comm.block_wire import BlockWire
+from hf_zero.engine.sharding.gather_wire import CastWire, GatherWire
 from hf_zero.engine.sharding.grad_buffer import GradBuffer
 from hf_zero.engine.sharding.master_state import MasterState
 from hf_zero.engine.sharding.param_source import ParamSource
@@ -105,7 +106,7 @@ class FlatParamGroup:
         """What a stage-3 gather of this group sends, where it is not the compute-dtype shard."""
         if self.policy.quantized_weight_gathers and compute_dtype.is_floating_point:
             lo, hi = self.shard_range
-            return Int8BlockWire(hi - lo)
+            return BlockWire(hi - lo, bits=8)
         if self.kind.wire_dtype is not None and self.kind.wire_dtype != compute_dtype:
             return CastWire(self.kind.wire_dtype)
         return None

@@ -29,15 +29,18 @@ worker thread while the backward runs ([Note: overlapped offload step]).
 With ``zero_hpz_partition_size`` P (DeepSpeed ZeRO++'s hpZ) a gather over the whole shard group
 leaves, besides the full buffer, a *secondary shard*: this rank's 1/P of the gathered buffer,
 split over the P ranks of its node group ([Note: node groups for hpZ] in hf_zero.comm.collectives),
-kept in the compute dtype after the buffer is freed. Every later gather while the shards do not
-change (the backward's, a recomputed forward's, the next micro-step's forward) is an all-gather
-of the secondary shards over those P ranks only, so it never leaves the node. The values are the
-buffer's as it was gathered (rounded too, when that gather came over the int8 wire of [Note:
-quantized weight gathers], so the backward sees the weights the forward saw); an exact gather
-does not use a rounded secondary. Anything that changes the shards drops it first: the optimizer
+kept after the buffer is freed. Every later gather while the shards do not change (the
+backward's, a recomputed forward's, the next micro-step's forward) is an all-gather of the
+secondary shards over those P ranks only, so it never leaves the node. A secondary shard holds
+what that gather received: the compute dtype, or, where the gather came over a narrower wire,
+the wire's payloads of its 1/P (the int8 blocks of [Note: quantized weight gathers] at 1 + 4/512
+bytes an element, as DeepSpeed's hpZ with qwZ), decoded after the node gather as after the first
+one. So the backward sees, bit for bit, the weights the forward saw, and with qwZ the secondary
+costs half the memory and the node gathers half the bytes; an exact gather does not use a
+rounded secondary. Anything that changes the shards drops it first: the optimizer
 step (before which every unit is freed), ``write_shard`` (a loaded checkpoint, a modifier), and
-the next gather over the shard group makes it again. It costs 1/P of the group in the compute
-dtype per rank for as long as it lives (``memory_report()['secondary_params']``); only a shard
+the next gather over the shard group makes it again. It costs 1/P of the group at the wire's
+width per rank for as long as it lives (``memory_report()['secondary_params']``); only a shard
 kept on the device has one (offload_param refuses the key: it would put back on the device what
 the offload takes off).
 """
@@ -120,7 +123,8 @@ class ParamStorage:
         # values came over the wire rounded; None while there is none.
         self._keeps_secondary = sharded_between_uses and comm.node_size > 1
         self.secondary: torch.Tensor | None = None
-        self._secondary_rounded = False
+        self._secondary_rounded = False  # its values came over the wire rounded
+        self._secondary_encoded = False  # it holds wire payloads (``wire``'s), not values
         lo, hi = shard_range
         lazy = source is not None and any(p.is_meta for p in params)
         if lazy and sharded_between_uses:
@@ -277,7 +281,10 @@ class ParamStorage:
             # Inside the node, from the secondary shards ([Note: secondary shards]).
             self.state = StorageState.GATHERING
             self.rounded = self._secondary_rounded
-            self._pending_gather = self.comm.all_gather_into(self.full, self.secondary, label=f"{self.label}.node",
+            target = self.full
+            if self._secondary_encoded:
+                self._received = target = self.wire.receive_buffer(self.full)  # type: ignore[union-attr]
+            self._pending_gather = self.comm.all_gather_into(target, self.secondary, label=f"{self.label}.node",
                                                              async_op=async_op, within_node=True)
             return
         shard, copied = self.store.gather_input(self.full.device, reclaim=self.wait_unshard)
@@ -310,14 +317,17 @@ class ParamStorage:
         if self._pending_gather is not None:
             self._pending_gather.wait()
         self._pending_gather = None
-        if self._received is not None:
-            self.wire.decode(self._received, self.full)  # type: ignore[union-attr]
-            self._received = None
+        received, self._received = self._received, None
+        if received is not None:
+            self.wire.decode(received, self.full)  # type: ignore[union-attr]
         self.state = StorageState.GATHERED
         self.store.gather_done()
         if self._keeps_secondary and self.secondary is None and isinstance(self.store, DeviceShard):
-            self.secondary = self.full.view(self.comm.node_size, -1)[self.comm.node_rank].clone()
+            # What came over the wire, where it came encoded: the same values at its width.
+            kept = self.full if received is None else received
+            self.secondary = kept.view(self.comm.node_size, -1)[self.comm.node_rank].clone()
             self._secondary_rounded = self.rounded
+            self._secondary_encoded = received is not None
         if self.lends_shard:
             self.store.lend(self._own_chunk())  # type: ignore[attr-defined]
         # Readable only now: while a gather is in flight the parameters keep their guard, so
