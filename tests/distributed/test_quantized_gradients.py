@@ -7,7 +7,7 @@
 - One backward's gradient shard is as close to the unquantized run's, not equal.
 - Trained 60 steps in bf16, the loss (mean of the last 5) ends within 2% of the plain run's, also
   with qwZ and hpZ (2) beside it.
-- Only the second step leaves the node: its bytes between nodes are 0.127x those of the bf16
+- Only the second step leaves the node: its bytes between nodes are 0.141x those of the bf16
   reduce-scatter, and with all three keys a step's collectives move at most 0.5x the bytes, and
   at most 0.3x of them between nodes.
 """
@@ -121,8 +121,8 @@ def test_only_a_node_share_of_the_gradients_crosses(runs):
     assert "reduce_scatter" not in qgz and "quantized_reduce_scatter" not in plain
     between_plain = plain["reduce_scatter"]["bytes_between_nodes"]
     between_qgz = qgz["quantized_reduce_scatter"]["bytes_between_nodes"]
-    # bf16: half the input crosses at 2 bytes; int4: half of the node's half at 1/2 + 4/512 bytes.
-    assert 0.125 < between_qgz / between_plain < 0.13, (between_qgz, between_plain)
+    # bf16: half the input crosses at 2 bytes; int4: half of the node's half at 1/2 + 4/64 bytes.
+    assert 0.14 < between_qgz / between_plain < 0.145, (between_qgz, between_plain)
 
 
 def test_all_three_keys_move_at_most_half_the_bytes(runs):

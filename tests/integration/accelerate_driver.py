@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import importlib.util
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -60,9 +61,23 @@ def main(plan_path: str) -> None:
         gc.collect()
     if plan.get("zeropp_config"):  # ZeRO++'s keys through an explicit plugin, no resume
         plugin = HfZeroPlugin(config=plan["zeropp_config"], gradient_clipping=0.5)
-        results["z3-zeropp"] = example.train(args("z3-zeropp"), plugin)
+        said = _Said()
+        logging.getLogger("hf_zero").addHandler(said)
+        results["z3-zeropp"] = {**example.train(args("z3-zeropp"), plugin), "log": said.messages}
+        logging.getLogger("hf_zero").removeHandler(said)
     if int(os.environ.get("RANK", "0")) == 0:
         Path(plan["out"]).write_text(json.dumps(results))
+
+
+class _Said(logging.Handler):
+    """What initialize says about the config (rank 0's INFO lines): which keys took effect."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 if __name__ == "__main__":

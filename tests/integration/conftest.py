@@ -151,10 +151,11 @@ def _plan(model_dirs: dict[str, str], root: Path) -> dict[str, Any]:
     bf16 = write_config(root / "zero3-bf16.json", 3, zero_optimization={"stage3_gather_16bit_weights_on_model_save": True})
     jobs.append({"name": "gpt2-z3-bf16", "kind": "script", "zero_config": bf16,
                  "argv": script_args("gpt2", model_dirs["gpt2"], out("gpt2-z3-bf16"), *learnable, "--bf16")})
-    # ZeRO++ through the unmodified script: qwZ's int8 gathers, and hpZ, which at world 2 is one
-    # node group of both ranks and keeps no secondary shards ([Note: secondary shards]).
+    # ZeRO++ through the unmodified script: qwZ's int8 gathers, qgZ's 4-bit reduction (one node:
+    # one exchange over both ranks), and hpZ, which at world 2 is one node group of both ranks and
+    # keeps no secondary shards ([Note: secondary shards]).
     zeropp = write_config(root / "zero3-bf16-zeropp.json", 3, zero_optimization={
-        "zero_quantized_weights": True, "zero_hpz_partition_size": 2})
+        "zero_quantized_weights": True, "zero_quantized_gradients": True, "zero_hpz_partition_size": 2})
     jobs.append({"name": "gpt2-z3-bf16-zeropp", "kind": "script", "zero_config": zeropp,
                  "argv": script_args("gpt2", model_dirs["gpt2"], out("gpt2-z3-bf16-zeropp"), *learnable, "--bf16")})
     jobs.append({"name": "gpt2-z2-fp16", "kind": "script", "zero_config": configs[2],

@@ -32,7 +32,8 @@ def accelerate_runs(model_dirs: dict[str, str], tmp_path_factory: pytest.TempPat
     launch_yaml = root / "zero3_2proc.yaml"
     launch_yaml.write_text(yaml_text)
     zeropp = json.loads((RECIPES / "zero3.json").read_text())
-    zeropp["zero_optimization"].update(zero_quantized_weights=True, zero_hpz_partition_size=2)
+    zeropp["zero_optimization"].update(zero_quantized_weights=True, zero_quantized_gradients=True,
+                                       zero_hpz_partition_size=2)
     (root / "zero3_zeropp.json").write_text(json.dumps(zeropp))
     plan = {"model_dir": model_dirs["gpt2"], "root": str(root), "out": str(root / "results.json"),
             "stages": list(STAGES), "configs": {str(s): str(RECIPES / f"zero{s}.json") for s in STAGES},
@@ -51,13 +52,16 @@ def _close(got: list[float], expected: list[float], rel: float = 1e-5) -> bool:
 
 
 def test_zero_plus_plus_keys_train_through_accelerate(accelerate_runs: dict[str, Any]) -> None:
-    """recipes/zero3.json with zero_quantized_weights and zero_hpz_partition_size 2 (one node group
-    of both ranks: no secondary shards) through HfZeroPlugin: the fp32 gathers go as int8, so every
-    loss is within 1% of DDP's, and not equal to it."""
+    """recipes/zero3.json with zero_quantized_weights, zero_quantized_gradients and
+    zero_hpz_partition_size 2 (one node group of both ranks: no secondary shards) through
+    HfZeroPlugin: the fp32 gathers go as int8, the reductions as 4-bit blocks, so every loss is
+    within 1% of DDP's, and not equal to it."""
     ddp, zeropp = accelerate_runs["ddp"], accelerate_runs["z3-zeropp"]
     assert len(zeropp["losses"]) == len(ddp["losses"]) == 12
     assert _close(zeropp["losses"], ddp["losses"], rel=0.01), (zeropp["losses"], ddp["losses"])
     assert not _close(zeropp["losses"], ddp["losses"]), "the gathers were not quantized"
+    for key in ("zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size"):
+        assert any(line.startswith(f"hf_zero: {key}") for line in zeropp["log"]), (key, zeropp["log"])
 
 
 @pytest.mark.parametrize("stage", STAGES)

@@ -22,6 +22,7 @@ from hf_zero.config.validate import AUTO, STILL_AUTO_RULE, config_warnings
 from hf_zero.engine.sharding.deferred_load import disarm_materialisation, find_source, initialise_new_adapters
 from hf_zero.engine.sharding.buffer_pool import BufferPool
 from hf_zero.comm.block_wire import QWZ_BLOCK
+from hf_zero.comm.quantized_reduce import QGZ_BLOCK
 from hf_zero.engine.engine import ZeroEngine
 from hf_zero.engine.lower_precision import lower_precision_params, resolve_module_classes, unmatched_classes
 from hf_zero.engine.policy import BUCKETS_IN_FLIGHT, ShardingPolicy
@@ -593,8 +594,8 @@ def _log_quantized_gradients(world_size: int) -> None:
              "links' bytes (expect little speed-up)" if local >= world_size or local <= 0 or world_size % local
              else f"inside each node of {local} ranks first, then 1/{local} of the gradients across nodes")
     logger.info("hf_zero: zero_quantized_gradients: gradient reduce-scatters send 4-bit codes with an fp32 scale per "
-                "%d elements (0.25x the bytes of bf16) and sum in fp32, %s; each addend is rounded to half a block "
-                "step (absmax / 14), twice", QWZ_BLOCK, where)
+                "%d elements (0.28x the bytes of bf16) and sum in fp32, %s; each addend is rounded to half a block "
+                "step (absmax / 14), twice", QGZ_BLOCK, where)
 
 
 def _log_quantized_gathers(world_size: int) -> None:
