@@ -188,22 +188,14 @@ def quantize_int8_blocks(values: torch.Tensor, codes: torch.Tensor, scales: torc
     """Rows of ``values`` to int8 codes and one fp32 scale per block; see
     ``reference.quantize_int8_blocks`` ([Note: blockwise int8])."""
     check_blockwise("values", values, codes, scales, block)
-    _check_device(values, "quantize_int8_blocks")
-    if backend_for(values, "quantize_int8_blocks") == "reference":
-        reference.quantize_int8_blocks(values, codes, scales, block)
-    else:
-        _TRITON["quant"].quantize_int8_blocks_triton(values, codes, scales, block)
+    _run_blockwise("quantize_int8_blocks", values, (values, codes, scales, block))
 
 
 @torch.no_grad()
 def dequantize_int8_blocks(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, block: int) -> None:
     """Codes times their block's scale into ``out``; see ``reference.dequantize_int8_blocks``."""
     check_blockwise("out", out, codes, scales, block)
-    _check_device(out, "dequantize_int8_blocks")
-    if backend_for(out, "dequantize_int8_blocks") == "reference":
-        reference.dequantize_int8_blocks(codes, scales, out, block)
-    else:
-        _TRITON["quant"].dequantize_int8_blocks_triton(codes, scales, out, block)
+    _run_blockwise("dequantize_int8_blocks", out, (codes, scales, out, block))
 
 
 @torch.no_grad()
@@ -211,22 +203,24 @@ def quantize_int4_blocks(values: torch.Tensor, packed: torch.Tensor, scales: tor
     """Rows of ``values`` to 4-bit codes, two a byte, and one fp32 scale per block; see
     ``reference.quantize_int4_blocks`` ([Note: blockwise int4])."""
     check_blockwise("values", values, packed, scales, block, bits=4)
-    _check_device(values, "quantize_int4_blocks")
-    if backend_for(values, "quantize_int4_blocks") == "reference":
-        reference.quantize_int4_blocks(values, packed, scales, block)
-    else:
-        _TRITON["quant"].quantize_int4_blocks_triton(values, packed, scales, block)
+    _run_blockwise("quantize_int4_blocks", values, (values, packed, scales, block))
 
 
 @torch.no_grad()
 def dequantize_int4_blocks(packed: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, block: int) -> None:
     """Codes times their block's scale into ``out``; see ``reference.dequantize_int4_blocks``."""
     check_blockwise("out", out, packed, scales, block, bits=4)
-    _check_device(out, "dequantize_int4_blocks")
-    if backend_for(out, "dequantize_int4_blocks") == "reference":
-        reference.dequantize_int4_blocks(packed, scales, out, block)
+    _run_blockwise("dequantize_int4_blocks", out, (packed, scales, out, block))
+
+
+def _run_blockwise(op: str, tensor: torch.Tensor, args: tuple[torch.Tensor | int, ...]) -> None:
+    """A checked block-quantization op on the backend ``tensor`` picks: ``reference.<op>`` or
+    ``triton_quant.<op>_triton`` (same arguments)."""
+    _check_device(tensor, op)
+    if backend_for(tensor, op) == "reference":
+        getattr(reference, op)(*args)
     else:
-        _TRITON["quant"].dequantize_int4_blocks_triton(packed, scales, out, block)
+        getattr(_TRITON["quant"], f"{op}_triton")(*args)
 
 
 def add_scaled_(dst: torch.Tensor, src: torch.Tensor, alpha: float = 1.0, *, dst_is_zero: bool = False) -> None:
