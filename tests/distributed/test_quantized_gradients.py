@@ -6,7 +6,7 @@
   the exact sum, and not equal to it: each rank's chunk reaches its owner through both steps.
 - One backward's gradient shard is as close to the unquantized run's, not equal.
 - Trained 60 steps in bf16, the loss (mean of the last 5) ends within 2% of the plain run's, also
-  with qwZ and hpZ (2) beside it.
+  with qwZ and hpZ (2) beside it, and with the optimizer offloaded to the CPU.
 - Only the second step leaves the node: its bytes between nodes are 0.141x those of the bf16
   reduce-scatter, and with all three keys a step's collectives move at most 0.5x the bytes, and
   at most 0.3x of them between nodes.
@@ -87,7 +87,8 @@ def _worker() -> dict[str, Any]:
             "grad_relative": ((grads_q - grads_plain).norm() / grads_plain.norm()).item(),
             "losses_plain": _train(), "losses_qgz": _train(zero_quantized_gradients=True),
             "losses_all": _train(zero_quantized_gradients=True, zero_quantized_weights=True,
-                                 zero_hpz_partition_size=2)}
+                                 zero_hpz_partition_size=2),
+            "losses_offload": _train(zero_quantized_gradients=True, offload_optimizer={"device": "cpu"})}
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +106,7 @@ def test_one_backward_gradients_are_close_not_equal(runs):
     assert 0.0 < runs[0]["grad_relative"] < 0.25, runs[0]["grad_relative"]
 
 
-@pytest.mark.parametrize("run", ["losses_qgz", "losses_all"])
+@pytest.mark.parametrize("run", ["losses_qgz", "losses_all", "losses_offload"])
 def test_training_ends_within_two_percent(runs, run):
     def tail(losses: list[float]) -> float:
         return sum(losses[-5:]) / 5

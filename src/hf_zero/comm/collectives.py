@@ -495,7 +495,7 @@ class Communicator:
     def _quantized_reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, label: str, async_op: bool,
                                   op: dist.ReduceOp.RedOpType) -> Handle:
         """[Note: quantized gradient reduction]: complete when it returns; each all-to-all is
-        counted with its int8 payload."""
+        counted with its 4-bit payload."""
         groups = self.quantized_reduction
         assert groups is not None
         divisor = self.world_size if op == dist.ReduceOp.AVG else 1
