@@ -6,7 +6,7 @@ a byte), then its fp32 scales (one per block of ``block`` elements, [Note: block
 so that a buffer of several payloads, as a collective leaves it, views as codes and scales in
 place. Stage-3 gathers send one 8-bit payload per rank ([Note: quantized weight gathers] in
 hf_zero.engine.sharding.gather_wire); the quantized gradient reduction one 4-bit payload per
-destination ([Note: quantized gradient reduction] in hf_zero.comm.quantized_reduce).
+rank's chunk ([Note: quantized gradient reduction] in hf_zero.comm.quantized_reduce).
 """
 
 from __future__ import annotations

@@ -301,7 +301,7 @@ class Communicator:
         and replicate across them ([Note: hybrid sharding]); None shards over all of ``group``.
         ``node_size``: gathers may also go over groups of that many consecutive ranks of the
         shard group ([Note: node groups for hpZ]). ``quantize_gradients``: reduce-scatters go as
-        int8 blocks, inside each node first ([Note: quantized gradient reduction])."""
+        4-bit blocks, inside each node first ([Note: quantized gradient reduction])."""
         self.initialized = dist.is_available() and dist.is_initialized()
         self.group = group  # agreement, phases, broadcasts, saves: every rank
         self.global_rank = dist.get_rank(group) if self.initialized else 0

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from hf_zero.comm import Communicator
-from hf_zero.engine.sharding.buffer_pool import BufferPool
 from hf_zero.comm.block_wire import BlockWire
+from hf_zero.engine.sharding.buffer_pool import BufferPool
 from hf_zero.engine.sharding.gather_wire import CastWire, GatherWire
 from hf_zero.engine.sharding.grad_buffer import GradBuffer
 from hf_zero.engine.sharding.master_state import MasterState

@@ -123,8 +123,8 @@ class ParamStorage:
         # values came over the wire rounded; None while there is none.
         self._keeps_secondary = sharded_between_uses and comm.node_size > 1
         self.secondary: torch.Tensor | None = None
-        self._secondary_rounded = False  # its values came over the wire rounded
-        self._secondary_encoded = False  # it holds wire payloads (``wire``'s), not values
+        # Its values came over the wire rounded, and so it holds the wire's payloads, not values.
+        self._secondary_rounded = False
         lo, hi = shard_range
         lazy = source is not None and any(p.is_meta for p in params)
         if lazy and sharded_between_uses:
@@ -282,7 +282,7 @@ class ParamStorage:
             self.state = StorageState.GATHERING
             self.rounded = self._secondary_rounded
             target = self.full
-            if self._secondary_encoded:
+            if self._secondary_rounded:
                 self._received = target = self.wire.receive_buffer(self.full)  # type: ignore[union-attr]
             self._pending_gather = self.comm.all_gather_into(target, self.secondary, label=f"{self.label}.node",
                                                              async_op=async_op, within_node=True)
@@ -326,8 +326,7 @@ class ParamStorage:
             # What came over the wire, where it came encoded: the same values at its width.
             kept = self.full if received is None else received
             self.secondary = kept.view(self.comm.node_size, -1)[self.comm.node_rank].clone()
-            self._secondary_rounded = self.rounded
-            self._secondary_encoded = received is not None
+            self._secondary_rounded = received is not None  # == self.rounded
         if self.lends_shard:
             self.store.lend(self._own_chunk())  # type: ignore[attr-defined]
         # Readable only now: while a gather is in flight the parameters keep their guard, so
